@@ -1,0 +1,3 @@
+from memcalc.cli import main
+
+main()

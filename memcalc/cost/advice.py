@@ -1,0 +1,73 @@
+"""What would make a configuration fit: re-run the cost model with one change at a time and report the bytes
+each saves. Changes are listed cheapest first by their usual throughput cost (a higher ZeRO stage or a smaller
+micro-batch costs little; recompute costs about a third more compute for full; offload and more GPUs cost the
+most); every figure is computed, none is a rule of thumb.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from memcalc.specs import Run
+
+Change = tuple[str, str, Callable[[Run], Run]]
+
+
+def _candidates(run: Run) -> Iterator[Change]:
+    t = run.training
+    if run.zero < 3 and run.offload == "none":
+        z = run.zero + 1
+        yield (f"ZeRO stage {z}", f"--zero {z}", lambda r: r.replace(zero=z))
+    if run.micro_batch > 1:
+        mb = run.micro_batch // 2
+        yield (
+            f"micro-batch {mb} (x{2} accumulation, same global batch)",
+            f"--micro-batch {mb}",
+            lambda r: r.replace(micro_batch=mb, grad_accum=r.grad_accum * (r.micro_batch // mb)),
+        )
+    if t.recompute == "none":
+        yield ("selective recompute", "--recompute selective",
+               lambda r: r.replace(training=r.training.model_copy(update={"recompute": "selective"})))
+    if run.tp == 1 or run.sp is False:
+        pass
+    m = run.model
+    tp2 = run.tp * 2
+    if (m.heads % tp2 == 0 and m.kv_heads % tp2 == 0 and tp2 <= run.hardware.gpus_per_node and run.dp % 2 == 0):
+        yield (f"tensor parallel {tp2}" + (" with SP" if run.sp or run.tp == 1 else ""), f"--tp {tp2}",
+               lambda r: r.replace(tp=tp2, dp=r.dp // 2, sp=True if r.profile != "deepspeed" else r.sp,
+                                   grad_accum=r.grad_accum * 2, global_batch=r.global_batch))
+    if t.recompute != "full":
+        yield ("full recompute", "--recompute full",
+               lambda r: r.replace(training=r.training.model_copy(update={"recompute": "full",
+                                                                          "recompute_layers": None})))
+    pp2 = run.pp * 2
+    if pp2 <= m.layers and run.dp % 2 == 0 and run.vpp == 1:
+        yield (f"pipeline parallel {pp2}", f"--pp {pp2}",
+               lambda r: r.replace(pp=pp2, dp=r.dp // 2, grad_accum=r.grad_accum * 2))
+    if run.offload == "none" and run.zero >= 1:
+        yield ("optimizer offload to CPU", "--offload optimizer", lambda r: r.replace(offload="optimizer"))
+    yield (f"twice the GPUs ({run.gpus * 2})", f"--gpus {run.gpus * 2}",
+           lambda r: r.replace(gpus=r.gpus * 2, dp=r.dp * 2, global_batch=r.global_batch * 2))
+
+
+def advise(run: Run, peak: int, limit: int = 3) -> list:
+    """Up to `limit` single changes that reduce the worst stage's peak, those that make it fit first."""
+    from memcalc.cost.estimate import Advice, peak_bytes
+
+    capacity = run.hardware.memory_bytes
+    fits_now = peak <= capacity
+    out: list[Advice] = []
+    for desc, flags, change in _candidates(run):
+        try:
+            after = peak_bytes(change(run))
+        except (ValueError, ZeroDivisionError):
+            continue
+        if after >= peak:
+            continue
+        out.append(Advice(change=desc, flags=flags, saves_bytes=peak - after, peak_bytes_after=after,
+                          fits_after=after <= capacity))
+    if fits_now:
+        return out[:limit]
+    fitting = [a for a in out if a.fits_after]
+    rest = sorted((a for a in out if not a.fits_after), key=lambda a: -a.saves_bytes)
+    return (fitting + rest)[:limit]

@@ -1,0 +1,160 @@
+"""Exact parameter counts: per layer, per pipeline stage, per tensor-parallel rank. The one place they live.
+
+Layer definition (Vaswani et al. 2017; GPT-2 / Llama / Mistral / Qwen2 / Mixtral modelling files in Hugging Face
+transformers): attention with q (h x a*d), k and v (h x g*d each, GQA), o (a*d x h); MLP gate/up/down (SwiGLU)
+or fc/proj (GELU); two norms per layer (RMSNorm: weight; LayerNorm: weight and bias); a final norm; embedding
+V x h (+ learned positions); LM head V x h unless tied. Checked against published totals in tests/test_params.py.
+
+Tensor parallelism (Shoeybi et al. 2019, Megatron-LM sec. 3): q/k/v and gate/up are column-parallel (weights and
+biases split by t), o and down are row-parallel (weights split, biases replicated), norms and learned position
+embeddings are replicated, the word embedding and LM head are vocab-parallel (split by t along V). Megatron pads
+the vocabulary to a multiple of 128*t (megatron/training/tokenizer: `_vocab_size_with_padding`,
+`--make-vocab-size-divisible-by 128`); torch and DeepSpeed do not pad (an uneven split rounds up).
+
+Pipeline parallelism: stage i holds L//pp layers plus one more when i < L % pp (the remainder goes to the first
+stages); the first stage holds the embedding, the last the final norm and the LM head; with tied embeddings and
+pp > 1 the last stage keeps its own copy of the embedding (Megatron `shared_embedding`; torch pipelining splits
+the module so the LM head owns a separate weight).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memcalc.specs import ModelSpec, Run
+from memcalc.xp import cdiv, where
+
+Num = Any
+
+
+def norm_params(m: ModelSpec) -> int:
+    return m.hidden * (2 if m.norm == "layernorm" else 1)
+
+
+def attention_params(m: ModelSpec, tp: Num = 1) -> Num:
+    """Q, K, V, O weights (and biases) on one TP rank."""
+    h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
+    col = h * a * d + 2 * h * g * d  # q, k, v: split by tp
+    if m.qkv_bias:
+        col += a * d + 2 * g * d
+    row = a * d * h  # o: split by tp
+    rep = h if m.linear_bias else 0  # o bias: replicated
+    return (col + row) // tp + rep
+
+
+def dense_mlp_params(m: ModelSpec, ffn: int, tp: Num = 1) -> Num:
+    h = m.hidden
+    n_in = 2 if m.mlp == "swiglu" else 1
+    split = (n_in + 1) * h * ffn  # gate/up (or fc) columns and down rows split by tp
+    if m.linear_bias:
+        split += n_in * ffn
+    rep = h if m.linear_bias else 0
+    return split // tp + rep
+
+
+def moe_params(m: ModelSpec, tp: Num = 1, ep: Num = 1) -> tuple[Num, Num]:
+    """(dense part, expert part) of one MoE layer's MLP on one rank: router replicated, routed experts split
+    over ep (and each expert's FFN over tp), shared experts split over tp only."""
+    assert m.moe is not None
+    router = m.hidden * m.moe.experts
+    expert = dense_mlp_params(m, m.moe.expert_ffn, tp)
+    shared = m.moe.shared_experts * dense_mlp_params(m, m.moe.expert_ffn, tp)
+    return router + shared, (m.moe.experts // ep) * expert
+
+
+def layer_params(m: ModelSpec, tp: Num = 1, ep: Num = 1) -> tuple[Num, Num]:
+    """(dense, expert) parameters of one transformer layer on one rank."""
+    dense = attention_params(m, tp) + 2 * norm_params(m)
+    if m.moe is None:
+        return dense + dense_mlp_params(m, m.ffn, tp), 0
+    d, e = moe_params(m, tp, ep)
+    return dense + d, e
+
+
+def padded_vocab(m: ModelSpec, profile: str, tp: Num = 1) -> Num:
+    if profile == "megatron":
+        mult = 128 * tp
+        return cdiv(m.vocab, mult) * mult
+    return m.vocab
+
+
+def embedding_params(m: ModelSpec, profile: str = "torch", tp: Num = 1) -> Num:
+    """Word embedding rows on one TP rank (vocab-parallel), plus replicated learned positions."""
+    rows = cdiv(padded_vocab(m, profile, tp), tp)
+    pos = m.max_positions * m.hidden if m.positions == "learned" else 0
+    return rows * m.hidden + pos
+
+
+def head_params(m: ModelSpec, profile: str = "torch", tp: Num = 1) -> Num:
+    """LM head weight on one TP rank (vocab-parallel)."""
+    return cdiv(padded_vocab(m, profile, tp), tp) * m.hidden
+
+
+def total_params(m: ModelSpec) -> int:
+    """The model's exact parameter count (no padding, no sharding). `--params` overrides it."""
+    if m.params_override is not None:
+        return m.params_override
+    return shape_params(m)
+
+
+def shape_params(m: ModelSpec) -> int:
+    """Exact count of the architecture itself, ignoring `params_override`."""
+    dense, expert = layer_params(m)
+    emb = embedding_params(m)
+    head = 0 if m.tied_embeddings else head_params(m)
+    return m.layers * (dense + expert) + emb + norm_params(m) + head
+
+
+def stage_layers(m: ModelSpec, pp: Num, stage: Num) -> Num:
+    """Layers on pipeline stage `stage` (0-based): the remainder of L/pp goes to the first stages."""
+    return m.layers // pp + where(stage < m.layers % pp, 1, 0)
+
+
+def stage_params(run: Run, stage: Num) -> tuple[Num, Num]:
+    """(dense, expert) parameters held by one rank of pipeline stage `stage` (after TP and EP sharding),
+    before any ZeRO sharding. With `--params N`, scaled so that the whole model has exactly N."""
+    m = run.model
+    tp, pp = run.tp, run.pp
+    dense_l, expert_l = layer_params(m, tp, run.ep)
+    n = stage_layers(m, pp, stage)
+    first = stage == 0
+    last = stage == pp - 1
+    emb = embedding_params(m, run.profile, tp)
+    head = head_params(m, run.profile, tp)
+    # tied embeddings share one matrix only when first and last stage are the same rank
+    head_here = head if not m.tied_embeddings else where(first, 0, head)
+    dense = n * dense_l + where(first, emb, 0) + where(last, norm_params(m) + head_here, 0)
+    expert = n * expert_l
+    if m.params_override is not None:
+        scale_num, scale_den = m.params_override, shape_params(m)
+        return (dense * scale_num) // scale_den, (expert * scale_num) // scale_den
+    return dense, expert
+
+
+def largest_unit_params(run: Run) -> Num:
+    """Unsharded parameters of the largest FSDP / ZeRO-3 unit on one TP rank: one transformer layer or the
+    embedding (DeepSpeed's estimator calls it the largest layer; often the embedding)."""
+    m = run.model
+    dense_l, expert_l = layer_params(m, run.tp, run.ep)
+    emb = embedding_params(m, run.profile, run.tp)
+    layer = dense_l + expert_l
+    biggest = where(emb > layer, emb, layer)
+    if m.params_override is not None:
+        return (biggest * m.params_override) // shape_params(m)
+    return biggest
+
+
+def matrix_shapes(m: ModelSpec, tp: Num = 1) -> list[tuple[Num, Num, int]]:
+    """(rows, cols, count per layer) of each weight matrix of a dense layer on one TP rank (for Adafactor's
+    factored second moment), plus the vectors as (n, 1, count)."""
+    h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
+    ffn = m.ffn if m.moe is None else m.moe.expert_ffn
+    n_in = 2 if m.mlp == "swiglu" else 1
+    shapes: list[tuple[Num, Num, int]] = [
+        (a * d // tp, h, 1),
+        (g * d // tp, h, 2),
+        (h, a * d // tp, 1),
+        (ffn // tp, h, n_in),
+        (h, ffn // tp, 1),
+    ]
+    return shapes

@@ -1,0 +1,152 @@
+"""Model states per rank: parameters, master weights, gradients and optimizer state. DESIGN section 4.
+
+Bytes per parameter come from the profile's `Recipe` (memcalc/specs.py). Sharding (Rajbhandari et al. 2019,
+"ZeRO", sec. 5.1-5.3): stage 1 shards the optimizer state, including fp32 master weights and any fp32 gradient
+copy the optimizer keeps; stage 2 also the gradients; stage 3 also the parameters. The shard group is dp x cp
+(`Run.shard_degree`); expert parameters shard over dp x cp / ep. Every shard is rounded up to whole elements (FSDP
+and DeepSpeed pad flat buffers to equal shards).
+
+Profile specifics:
+- megatron: ZeRO-1 is the distributed optimizer; bytes per parameter 18 (bf16 params, fp32 main grads, fp32
+  master and Adam moments) or 6 + 12/dp distributed; with fp16 grads an fp32 gradient copy is kept in the
+  optimizer: 20 or 4 + 16/dp (Megatron-LM docs/user-guide/features/dist_optimizer.md).
+- deepspeed: low-precision grads plus an fp32 gradient partition held by the optimizer
+  (runtime/zero/stage_1_and_2.py `single_partition_of_fp32_groups`); under ZeRO-3 the reduced gradient lives only
+  in the fp32 partition (`fp32_partitioned_groups_flat`), so no persistent low-precision gradient shard. This is
+  the accounting of DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`: 2P + 18P/N;
+  `estimate_zero3_model_states_mem_needs`: 18P/N plus the largest layer).
+- torch: AMP and FSDP2 `MixedPrecisionPolicy` keep fp32 parameters that double as the master copy and fp32
+  gradients; ZeroRedundancyOptimizer is ZeRO-1, FSDP2 `fully_shard(reshard_after_forward=False)` ZeRO-2-like
+  and the default ZeRO-3.
+
+Offload (ZeRO-Offload, Ren et al. 2021): `optimizer` moves master weights, moments and the fp32 gradient copy to
+CPU memory (DeepSpeed also the reduced gradient partitions); `params` (ZeRO-3 only) also the parameter shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from memcalc.cost.params import matrix_shapes, stage_layers, stage_params
+from memcalc.specs import DTYPE_BYTES, Run
+from memcalc.xp import cdiv, where
+
+Num = Any
+
+# bitsandbytes 8-bit blockwise optimizers: one fp32 absmax per block of 256 values per state
+# (bitsandbytes/functional.py, optimizer blocksize 256; Dettmers et al. 2022 "8-bit Optimizers", sec. 2).
+ADAM8BIT_BLOCK = 256
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelStates:
+    """Bytes held on one GPU (and offloaded to its host) by one rank of one pipeline stage."""
+
+    params: Num
+    master_weights: Num
+    grads: Num  # gradients in the grad dtype (as accumulated in backward)
+    grads_fp32: Num  # the fp32 gradient copy kept by the optimizer (megatron/deepspeed with low-precision grads)
+    optimizer: Num  # moments (and 8-bit scales / Adafactor factors)
+    cpu: Num  # offloaded bytes on the host
+    stage_params: Num  # parameters of this rank's stage after TP/EP sharding (elements, before ZeRO)
+    grads_persistent: bool  # gradient buffers stay allocated between steps (megatron/deepspeed buffers)
+
+    @property
+    def total(self) -> Num:
+        return self.params + self.master_weights + self.grads + self.grads_fp32 + self.optimizer
+
+
+def optimizer_state_bytes(run: Run, n_elems: Num, stage: Num) -> Num:
+    """Optimizer state (without master weights) for `n_elems` parameters of `stage` on one rank, unsharded."""
+    opt = run.training.optimizer
+    mb = DTYPE_BYTES[run.recipe.moment_dtype]
+    if opt in ("adam", "adamw"):
+        return 2 * mb * n_elems  # exp_avg, exp_avg_sq (Kingma & Ba 2015)
+    if opt in ("lion", "sgd-momentum"):
+        return mb * n_elems  # one momentum buffer (Chen et al. 2023; torch.optim.SGD momentum_buffer)
+    if opt == "sgd":
+        return 0 * n_elems
+    if opt == "adam-8bit":
+        return 2 * n_elems + 2 * 4 * cdiv(n_elems, ADAM8BIT_BLOCK)
+    # adafactor (Shazeer & Stern 2018, sec. 3): factored second moment, one row and one column statistic per
+    # matrix, full second moment for vectors, no first moment (beta1 = None, the paper's default).
+    return mb * _adafactor_elems(run, n_elems, stage)
+
+
+def _adafactor_elems(run: Run, n_elems: Num, stage: Num) -> Num:
+    """Adafactor statistics for the stage: rows + cols per weight matrix (embedding and LM head included),
+    every element for vectors (norms, biases); scaled to the `n_elems` this rank holds under ZeRO."""
+    from memcalc.cost.params import layer_params, padded_vocab
+
+    m = run.model
+    h = m.hidden
+    factored = 0
+    matrix_elems = 0
+    for rows, cols, count in matrix_shapes(m, run.tp):
+        factored = factored + count * (rows + cols)
+        matrix_elems = matrix_elems + count * rows * cols
+    if m.moe is not None:
+        factored = factored * (m.moe.experts // run.ep) + m.moe.experts + h  # + router matrix
+        matrix_elems = matrix_elems * (m.moe.experts // run.ep) + m.moe.experts * h
+    dense_l, expert_l = layer_params(m, run.tp, run.ep)
+    vectors = dense_l + expert_l - matrix_elems  # norms and biases
+    n_layers = stage_layers(m, run.pp, stage)
+    rows_v = cdiv(padded_vocab(m, run.profile, run.tp), run.tp)
+    emb = rows_v + h + (m.max_positions + h if m.positions == "learned" else 0)
+    head = where(stage == 0, 0, rows_v + h) if m.tied_embeddings else rows_v + h
+    stage_total = n_layers * (factored + vectors) + where(stage == 0, emb, 0) + where(
+        stage == run.pp - 1, head + h * (2 if m.norm == "layernorm" else 1), 0
+    )
+    dense, expert = stage_params(run, stage)
+    full = dense + expert
+    return cdiv(stage_total * n_elems, where(full > 0, full, 1))
+
+
+def model_states(run: Run, stage: Num = 0) -> ModelStates:
+    """Per-GPU model-state bytes of one rank of pipeline stage `stage`."""
+    r = run.recipe
+    dense, expert = stage_params(run, stage)
+    n = dense + expert
+    d = run.shard_degree
+    de = d // run.ep  # expert data-parallel group
+
+    def shard(x_dense: Num, x_expert: Num) -> Num:
+        return cdiv(x_dense, d) + cdiv(x_expert, de)
+
+    z = run.zero
+    pb, gb = DTYPE_BYTES[r.param_dtype], DTYPE_BYTES[r.grad_dtype]
+
+    params = pb * (shard(dense, expert) if z >= 3 else n)
+    if run.profile == "deepspeed" and z >= 3 and r.fp32_grad_copy:
+        grads = 0 * n  # reduced straight into the fp32 partition (stage3.py)
+    else:
+        grads = gb * (shard(dense, expert) if z >= 2 else n)
+    opt_elems = shard(dense, expert) if z >= 1 else n
+    master = 4 * opt_elems if r.master_weights else 0 * n
+    grads_fp32 = 4 * opt_elems if r.fp32_grad_copy else 0 * n
+    # optimizer state of the shard: computed on the shard's element count
+    optimizer = optimizer_state_bytes(run, opt_elems, stage)
+
+    cpu = 0 * n
+    if run.offload in ("optimizer", "params"):
+        cpu = cpu + master + grads_fp32 + optimizer
+        master, grads_fp32, optimizer = 0 * n, 0 * n, 0 * n
+        if run.profile == "deepspeed" and z >= 2:
+            cpu = cpu + grads
+            grads = 0 * n
+    if run.offload == "params":
+        cpu = cpu + params + grads
+        params, grads = 0 * n, 0 * n
+
+    persistent = run.profile in ("megatron", "deepspeed")
+    return ModelStates(
+        params=params,
+        master_weights=master,
+        grads=grads,
+        grads_fp32=grads_fp32,
+        optimizer=optimizer,
+        cpu=cpu,
+        stage_params=n,
+        grads_persistent=persistent,
+    )

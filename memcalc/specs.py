@@ -1,0 +1,388 @@
+"""Inputs of the cost model: pydantic, frozen, validated. DESIGN.md section 3.
+
+`ModelSpec`, `TrainingSpec`, `ParallelSpec`, `HardwareSpec` and the `Profile` name are what a user states (with
+`None` meaning "the default"); `resolve()` turns them into a `Run` in which every default is explicit and every
+cross-field rule (gpus = dp*tp*pp*cp, tp divides the heads, ...) has been checked. The cost model reads only
+`Run`s. The numeric layout fields of a `Run` (dp, tp, pp, vpp, cp, ep, micro_batch, grad_accum) may be numpy
+arrays when the planner evaluates many layouts at once (see memcalc/xp.py); `resolve()` builds scalar runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from memcalc.errors import InputError
+
+Dtype = Literal["fp32", "bf16", "fp16", "fp8"]
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+Profile = Literal["torch", "megatron", "deepspeed"]
+PROFILES: tuple[str, ...] = ("torch", "megatron", "deepspeed")
+Optimizer = Literal["adam", "adamw", "sgd", "sgd-momentum", "adam-8bit", "adafactor", "lion"]
+OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd", "sgd-momentum", "adam-8bit", "adafactor", "lion")
+Recompute = Literal["none", "selective", "full"]
+Offload = Literal["none", "optimizer", "params"]
+Schedule = Literal["1f1b", "interleaved", "gpipe"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class MoESpec(_Frozen):
+    experts: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    expert_ffn: int = Field(ge=1)
+    shared_experts: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoESpec":
+        if self.top_k > self.experts:
+            raise ValueError(f"moe top_k {self.top_k} exceeds experts {self.experts}")
+        return self
+
+
+class ModelSpec(_Frozen):
+    """A decoder-only transformer. Parameter counts derived from it live in memcalc/cost/params.py."""
+
+    name: str = "custom"
+    display_name: str = ""
+    hidden: int = Field(ge=1)
+    layers: int = Field(ge=1)
+    heads: int = Field(ge=1)
+    kv_heads: int = Field(default=0, ge=0, description="0 = same as heads (MHA)")
+    head_dim: int = Field(default=0, ge=0, description="0 = hidden // heads")
+    ffn: int = Field(ge=1)
+    vocab: int = Field(ge=1)
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    qkv_bias: bool = False
+    linear_bias: bool = False
+    tied_embeddings: bool = False
+    positions: Literal["rotary", "learned"] = "rotary"
+    max_positions: int = Field(default=0, ge=0)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    moe: MoESpec | None = None
+    # `--params N` with no model: model states use exactly N parameters, dimensions come from the shape above.
+    params_override: int | None = Field(default=None, ge=1)
+    source: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            heads = data.get("heads")
+            if not data.get("kv_heads") and heads:
+                data["kv_heads"] = heads
+            if not data.get("head_dim") and heads and data.get("hidden"):
+                data["head_dim"] = data["hidden"] // heads
+            if not data.get("display_name"):
+                data["display_name"] = data.get("name", "custom")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSpec":
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+        if self.positions == "learned" and self.max_positions < 1:
+            raise ValueError("learned positions need max_positions >= 1")
+        return self
+
+
+class TrainingSpec(_Frozen):
+    seq: int = Field(default=4096, ge=1)
+    micro_batch: int = Field(default=1, ge=1)
+    global_batch: int | None = Field(default=None, ge=1)
+    grad_accum: int | None = Field(default=None, ge=1)
+    precision: Dtype = "bf16"
+    master_weights: bool | None = None  # None: True for mixed precision
+    grad_dtype: Dtype | None = None  # None: the profile's default
+    optimizer: Optimizer = "adamw"
+    recompute: Recompute = "none"
+    recompute_layers: int | None = Field(default=None, ge=0)  # None: every layer of the stage
+    attention: Literal["flash", "eager"] = "flash"
+    loss: Literal["full", "chunked"] = "full"
+    dropout: float | None = Field(default=None, ge=0.0, lt=1.0)  # None: the model's
+    foreach: bool | None = None  # None: the profile's default optimizer implementation
+    fragmentation: float | None = Field(default=None, ge=0.0, lt=1.0)  # None: the allocator model's figure
+    mfu: float | None = Field(default=None, gt=0.0, le=1.0)  # None: the GPU preset's default
+
+
+class ParallelSpec(_Frozen):
+    gpus: int | None = Field(default=None, ge=1)
+    dp: int | None = Field(default=None, ge=1)
+    tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    vpp: int = Field(default=1, ge=1)
+    cp: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1)
+    sp: bool | None = None  # None: on with tp > 1 for megatron, off otherwise
+    zero: int = Field(default=0, ge=0, le=3)
+    offload: Offload = "none"
+    schedule: Schedule | None = None  # None: interleaved when vpp > 1, else 1f1b
+    order: str = "tp,cp,pp,dp"  # rank placement, innermost first (DESIGN section 5)
+    tp_overlap: bool = False  # TP collectives overlapped with compute (e.g. TE userbuffers)
+
+
+class HardwareSpec(_Frozen):
+    name: str = "custom"
+    display_name: str = ""
+    memory_bytes: int = Field(ge=1)
+    flops: dict[str, float] = Field(default_factory=dict)  # dense peak FLOP/s per dtype
+    hbm_bytes_per_s: float = Field(default=0.0, ge=0)
+    gpus_per_node: int = Field(default=8, ge=1)
+    intra_node_bytes_per_s: float = Field(default=0.0, ge=0)
+    inter_node_bytes_per_s: float = Field(default=0.0, ge=0)
+    latency_s: float = Field(default=5e-6, ge=0)
+    runtime_overhead_bytes: int = Field(default=0, ge=0)
+    default_mfu: float = Field(default=0.4, gt=0, le=1)
+    source: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Recipe:
+    """The dtype of every stored tensor, fixed by the profile and the precision flags (DESIGN section 3)."""
+
+    param_dtype: str  # persistent parameters
+    compute_dtype: str  # matmul inputs / activations
+    grad_dtype: str  # gradients as accumulated in backward
+    master_weights: bool  # a separate fp32 copy held by the optimizer
+    fp32_grad_copy: bool  # the optimizer also keeps an fp32 copy of the (reduced) gradients
+    moment_dtype: str  # optimizer moments
+    compute_copy: bool  # a low-precision copy of the params is made for compute (AMP / FSDP2 mixed precision)
+    foreach: bool  # multi-tensor optimizer step (temporaries of the size of the params)
+    notes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Run:
+    """A fully resolved configuration: what the cost model reads."""
+
+    model: ModelSpec
+    training: TrainingSpec
+    hardware: HardwareSpec
+    profile: str
+    recipe: Recipe
+    # parallel layout (ints, or numpy arrays in the planner's bulk mode)
+    gpus: Any
+    dp: Any
+    tp: Any
+    pp: Any
+    vpp: Any
+    cp: Any
+    ep: Any
+    sp: bool
+    zero: int
+    offload: str
+    schedule: str
+    order: tuple[str, ...]
+    tp_overlap: bool
+    # batch
+    micro_batch: Any
+    grad_accum: Any
+    global_batch: Any
+    seq: int
+    dropout: float
+    assumed_shape: str | None = None  # set when --params chose a reference shape
+
+    @property
+    def shard_degree(self) -> Any:
+        """Ranks that share one ZeRO / FSDP shard group: data parallel and context parallel together
+        (Megatron's distributed optimizer and torchtitan's FSDP both shard over dp x cp)."""
+        return self.dp * self.cp
+
+    def replace(self, **changes: Any) -> "Run":
+        return dataclasses.replace(self, **changes)
+
+
+def _recipe(profile: str, t: TrainingSpec) -> Recipe:
+    """Dtypes per profile. Sources: ZeRO paper sec. 3.1 (mixed precision: fp16 params and grads, fp32 master
+    and moments); Megatron-LM docs/user-guide/features/dist_optimizer.md (bf16 params, fp32 main grads);
+    DeepSpeed runtime/zero/stage_1_and_2.py and stage3.py (fp32 gradient partitions); PyTorch AMP and FSDP2
+    MixedPrecisionPolicy (fp32 params are the master copy; a low-precision copy is cast for compute)."""
+    p = t.precision
+    mixed = p != "fp32"
+    master = mixed if t.master_weights is None else (t.master_weights and mixed)
+    low = "bf16" if p == "fp8" else p  # fp8 recipes keep bf16 weights and cast to fp8 per matmul
+    notes: list[str] = []
+    if profile == "torch":
+        if not mixed:
+            param, grad = "fp32", t.grad_dtype or "fp32"
+            compute_copy = False
+        elif master and (t.grad_dtype is None or t.grad_dtype == "fp32"):
+            # AMP / FSDP2 MixedPrecisionPolicy: fp32 params double as the master copy, grads are fp32.
+            param, grad, master = "fp32", "fp32", False
+            compute_copy = True
+            notes.append(f"params are kept in fp32 and serve as the master copy; a {low} copy is cast for compute")
+        elif master:
+            # low-precision grads imply low-precision params with a separate fp32 master in the optimizer
+            param, grad = low, t.grad_dtype
+            compute_copy = False
+            notes.append(f"{low} params with a separate fp32 master copy (grads in {grad})")
+        else:
+            param, grad = low, t.grad_dtype or low
+            compute_copy = False
+            notes.append(f"pure {low} training: no fp32 master copy; optimizer moments in {low}")
+        fp32_copy = False
+        foreach = True if t.foreach is None else t.foreach
+    elif profile == "megatron":
+        param = low if mixed else "fp32"
+        grad = t.grad_dtype or "fp32"  # --accumulate-allreduce-grads-in-fp32 (main_grad) by default
+        compute_copy = False
+        fp32_copy = master and grad != "fp32"
+        foreach = False if t.foreach is None else t.foreach  # fused Adam (apex / TE) steps in place
+        notes.append(f"{param} params, {grad} main grads" + (", fp32 master in the optimizer" if master else ""))
+    else:  # deepspeed
+        param = low if mixed else "fp32"
+        grad = t.grad_dtype or param
+        compute_copy = False
+        fp32_copy = master and grad != "fp32"
+        foreach = False if t.foreach is None else t.foreach  # FusedAdam
+        notes.append(f"{param} params and grads" + (", fp32 master and fp32 gradient partitions" if master else ""))
+    if p == "fp8":
+        notes.append("fp8: matmul inputs are cast to fp8; weights and saved activations are modelled in bf16")
+    moment = "fp32" if (master or param == "fp32") else param
+    return Recipe(
+        param_dtype=param,
+        compute_dtype=low if mixed else "fp32",
+        grad_dtype=grad,
+        master_weights=master,
+        fp32_grad_copy=fp32_copy,
+        moment_dtype=moment,
+        compute_copy=compute_copy,
+        foreach=foreach,
+        notes=tuple(notes),
+    )
+
+
+def _divisors_text(n: int, limit: int = 12) -> str:
+    ds = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, ds[:limit])) + (", ..." if len(ds) > limit else "")
+
+
+def resolve(
+    model: ModelSpec,
+    training: TrainingSpec,
+    parallel: ParallelSpec,
+    hardware: HardwareSpec,
+    profile: str = "torch",
+    assumed_shape: str | None = None,
+) -> Run:
+    """Check every cross-field rule and make every default explicit. Raises InputError (one line)."""
+    if profile not in PROFILES:
+        raise InputError(f"--profile {profile!r} is not one of: {', '.join(PROFILES)}")
+    m, t, p = model, training, parallel
+    tp, pp, cp, vpp, ep = p.tp, p.pp, p.cp, p.vpp, p.ep
+    if m.heads % tp:
+        raise InputError(f"--tp {tp} does not divide the {m.heads} attention heads; valid: {_divisors_text(m.heads)}")
+    if m.kv_heads % tp:
+        raise InputError(
+            f"--tp {tp} does not divide the {m.kv_heads} KV heads; valid: {_divisors_text(m.kv_heads)}"
+        )
+    if pp > m.layers:
+        raise InputError(f"--pp {pp} exceeds the {m.layers} layers; valid: 1..{m.layers}")
+    if vpp > 1 and m.layers % (pp * vpp):
+        raise InputError(
+            f"--vpp {vpp} with --pp {pp} needs layers ({m.layers}) divisible by pp*vpp = {pp * vpp}"
+        )
+    if vpp > 1 and pp == 1:
+        raise InputError("--vpp > 1 needs --pp > 1 (virtual stages interleave pipeline stages)")
+    if t.seq % cp:
+        raise InputError(f"--cp {cp} does not divide the sequence length {t.seq}")
+    if ep > 1:
+        if m.moe is None:
+            raise InputError(f"--ep {ep} needs a mixture-of-experts model; {m.name} is dense")
+        if m.moe.experts % ep:
+            raise InputError(
+                f"--ep {ep} does not divide the {m.moe.experts} experts; valid: {_divisors_text(m.moe.experts)}"
+            )
+    inner = tp * pp * cp
+    if p.gpus is None and p.dp is None:
+        gpus, dp = inner, 1
+    elif p.gpus is None:
+        dp = p.dp
+        gpus = dp * inner
+    else:
+        gpus = p.gpus
+        if gpus % inner:
+            raise InputError(
+                f"--gpus {gpus} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {inner}; "
+                f"use a multiple of {inner} or smaller degrees"
+            )
+        dp = gpus // inner
+        if p.dp is not None and p.dp != dp:
+            raise InputError(
+                f"--dp {p.dp} disagrees with --gpus {gpus} / (tp*pp*cp = {inner}) = {dp}; give one or make them agree"
+            )
+    if ep > 1 and (dp * cp) % ep:
+        raise InputError(f"--ep {ep} must divide dp*cp = {dp * cp} (experts are sharded across data-parallel ranks)")
+    if p.zero and p.offload == "params" and p.zero < 3:
+        raise InputError("--offload params needs --zero 3 (parameters are offloaded shard by shard)")
+    if p.offload != "none" and p.zero == 0 and profile != "torch":
+        raise InputError(f"--offload {p.offload} needs --zero 1 or higher with --profile {profile}")
+    mb = t.micro_batch
+    if t.global_batch is not None:
+        per_step = mb * dp
+        if t.global_batch % per_step:
+            raise InputError(
+                f"--global-batch {t.global_batch} is not a multiple of micro-batch*dp = {mb}*{dp} = {per_step}"
+            )
+        ga = t.global_batch // per_step
+        if t.grad_accum is not None and t.grad_accum != ga:
+            raise InputError(
+                f"--grad-accum {t.grad_accum} disagrees with --global-batch {t.global_batch} / (micro-batch*dp) = {ga}"
+            )
+    else:
+        ga = t.grad_accum or 1
+    if t.recompute_layers is not None and t.recompute == "none":
+        raise InputError("--recompute-layers needs --recompute selective or full")
+    schedule = p.schedule or ("interleaved" if vpp > 1 else "1f1b")
+    if schedule == "interleaved" and vpp == 1 and p.schedule is not None:
+        raise InputError("--schedule interleaved needs --vpp > 1")
+    if schedule != "interleaved" and vpp > 1:
+        raise InputError(f"--vpp {vpp} needs --schedule interleaved (got {schedule})")
+    sp = (profile == "megatron" and tp > 1) if p.sp is None else (p.sp and tp > 1)
+    order = tuple(x.strip() for x in p.order.split(","))
+    if sorted(order) != ["cp", "dp", "pp", "tp"]:
+        raise InputError(f"--order {p.order!r} must name tp, cp, pp and dp once each, innermost first")
+    return Run(
+        model=m,
+        training=t,
+        hardware=hardware,
+        profile=profile,
+        recipe=_recipe(profile, t),
+        gpus=gpus,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        vpp=vpp,
+        cp=cp,
+        ep=ep,
+        sp=sp,
+        zero=p.zero,
+        offload=p.offload,
+        schedule=schedule,
+        order=order,
+        tp_overlap=p.tp_overlap,
+        micro_batch=mb,
+        grad_accum=ga,
+        global_batch=mb * ga * dp,
+        seq=t.seq,
+        dropout=m.dropout if t.dropout is None else t.dropout,
+        assumed_shape=assumed_shape,
+    )
+
+
+def validation_message(err: ValidationError, prefix: str = "") -> str:
+    """One line from a pydantic error: the field, the bad value and what is valid."""
+    e = err.errors()[0]
+    loc = ".".join(str(x) for x in e.get("loc", ()) if x != "__root__")
+    value = e.get("input")
+    msg = e.get("msg", "invalid value")
+    if loc:
+        return f"{prefix}{loc} = {value!r}: {msg}"
+    return f"{prefix}{msg}"

@@ -1,0 +1,58 @@
+"""Arithmetic that works the same on Python ints (estimate) and numpy int64 arrays (plan's bulk mode).
+
+The cost model branches with `if` only on categorical choices (profile, ZeRO stage, recompute mode, ...).
+Numeric layout values (dp, tp, pp, vpp, cp, ep, micro-batch, accumulation steps, the stage index) may be arrays
+when the planner evaluates many layouts at once, so the cost model uses only these helpers, arithmetic and `//`
+on them. numpy is imported only when an array is actually passed: `estimate` never loads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Num = Any  # int | numpy.ndarray
+
+
+def _is_scalar(*xs: Any) -> bool:
+    return all(isinstance(x, (int, float)) for x in xs)
+
+
+def cdiv(a: Num, b: Num) -> Num:
+    """Ceiling division of non-negative integers (a shard of a buffer padded to equal parts)."""
+    return -((-a) // b)
+
+
+def imin(a: Num, b: Num) -> Num:
+    if _is_scalar(a, b):
+        return a if a <= b else b
+    import numpy as np
+
+    return np.minimum(a, b)
+
+
+def imax(a: Num, b: Num) -> Num:
+    if _is_scalar(a, b):
+        return a if a >= b else b
+    import numpy as np
+
+    return np.maximum(a, b)
+
+
+def where(cond: Any, a: Num, b: Num) -> Num:
+    """`a if cond else b`, elementwise when cond is an array."""
+    if isinstance(cond, bool):
+        return a if cond else b
+    import numpy as np
+
+    if np.ndim(cond) == 0:
+        return a if bool(cond) else b
+    return np.where(cond, a, b)
+
+
+def as_int(x: Num) -> Num:
+    """Round a float (or array of floats) to the nearest int (bytes are ints)."""
+    if isinstance(x, (int, float)):
+        return int(round(x))
+    import numpy as np
+
+    return np.rint(x).astype(np.int64)

@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Check the preset TOML files under presets/ (stdlib only; does not import memcalc).
+
+For every file in presets/models/ and presets/gpus/: parse it with tomllib, check the required keys, their
+types and allowed values, and that `name` matches the file name. For models, compute the exact parameter count
+from the shape (the formula in the module docstring of memcalc/cost/params.py, restated in param_count() below)
+and compare it with `expected_params` where a file has one. Prints a table; exits 1 on any problem.
+
+Usage: python scripts/check_presets.py [PRESETS_DIR]
+"""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+
+MODEL_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "name": str,
+    "display_name": str,
+    "aliases": list,
+    "family": str,
+    "source": str,
+    "hidden": int,
+    "layers": int,
+    "heads": int,
+    "kv_heads": int,
+    "head_dim": int,
+    "ffn": int,
+    "vocab": int,
+    "mlp": str,
+    "norm": str,
+    "qkv_bias": bool,
+    "linear_bias": bool,
+    "tied_embeddings": bool,
+    "positions": str,
+    "max_positions": int,
+    "dropout": (int, float),
+}
+MODEL_OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "expected_params": int,
+    "params_source": str,
+    "params_note": str,
+    "moe": dict,
+}
+MOE_REQUIRED: dict[str, type] = {"experts": int, "top_k": int, "expert_ffn": int, "shared_experts": int}
+CHOICES = {
+    "family": {"llama", "gpt2", "gpt3", "mistral", "mixtral", "qwen2"},
+    "mlp": {"swiglu", "gelu"},
+    "norm": {"rmsnorm", "layernorm"},
+    "positions": {"rotary", "learned"},
+}
+
+GPU_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "name": str,
+    "display_name": str,
+    "aliases": list,
+    "source": str,
+    "memory_bytes": int,
+    "memory_note": str,
+    "hbm_bytes_per_s": (int, float),
+    "gpus_per_node": int,
+    "intra_node_bytes_per_s": (int, float),
+    "inter_node_bytes_per_s": (int, float),
+    "latency_s": (int, float),
+    "runtime_overhead_bytes": int,
+    "default_mfu": (int, float),
+    "flops": dict,
+}
+GPU_OPTIONAL: dict[str, type | tuple[type, ...]] = {"network_note": str, "overhead_note": str, "mfu_note": str}
+FLOPS_KEYS = {"fp32", "tf32", "bf16", "fp16", "fp8"}
+
+
+def _type_ok(value: object, want: type | tuple[type, ...]) -> bool:
+    # bool is a subclass of int: never accept it where a number is wanted.
+    if isinstance(value, bool) and want is not bool and not (isinstance(want, tuple) and bool in want):
+        return False
+    return isinstance(value, want)
+
+
+def _check_keys(data: dict, required: dict, optional: dict, where: str) -> list[str]:
+    errors = []
+    for key, want in required.items():
+        if key not in data:
+            errors.append(f"{where}: missing key {key!r}")
+        elif not _type_ok(data[key], want):
+            errors.append(f"{where}: {key!r} has type {type(data[key]).__name__}")
+    for key, value in data.items():
+        if key in required:
+            continue
+        if key not in optional:
+            errors.append(f"{where}: unknown key {key!r}")
+        elif not _type_ok(value, optional[key]):
+            errors.append(f"{where}: {key!r} has type {type(value).__name__}")
+    return errors
+
+
+def _check_aliases(data: dict, where: str) -> list[str]:
+    aliases = data.get("aliases", [])
+    bad = [a for a in aliases if not isinstance(a, str) or a != a.lower() or not a]
+    return [f"{where}: aliases must be non-empty lower-case strings: {bad}"] if bad else []
+
+
+def param_count(m: dict) -> int:
+    """Exact parameter count of a decoder-only transformer described by a model preset."""
+    h, L, a, g, d = m["hidden"], m["layers"], m["heads"], m["kv_heads"], m["head_dim"]
+    f, V = m["ffn"], m["vocab"]
+    swiglu = m["mlp"] == "swiglu"
+    norm = h if m["norm"] == "rmsnorm" else 2 * h
+
+    total = V * h  # token embedding
+    if m["positions"] == "learned":
+        total += m["max_positions"] * h
+
+    attn = h * a * d + 2 * h * g * d + a * d * h  # q, k, v, o
+    if m["qkv_bias"]:
+        attn += a * d + 2 * g * d
+    if m["linear_bias"]:
+        attn += h  # o bias
+
+    moe = m.get("moe")
+    if moe:
+        mats = 3 if swiglu else 2
+        ef = moe["expert_ffn"]
+        expert = mats * h * ef
+        if m["linear_bias"]:
+            expert += ef * (2 if swiglu else 1) + h
+        mlp = h * moe["experts"] + (moe["experts"] + moe["shared_experts"]) * expert
+    else:
+        mlp = (3 if swiglu else 2) * h * f
+        if m["linear_bias"]:
+            mlp += f * (2 if swiglu else 1) + h
+
+    total += L * (attn + mlp + 2 * norm) + norm  # per-layer norms, final norm
+    if not m["tied_embeddings"]:
+        total += V * h  # LM head
+    return total
+
+
+def check_model(path: Path, m: dict) -> tuple[list[str], list[str]]:
+    where = f"models/{path.name}"
+    errors = _check_keys(m, MODEL_REQUIRED, MODEL_OPTIONAL, where)
+    if errors:
+        return errors, []
+    errors += _check_aliases(m, where)
+    if m["name"] != path.stem:
+        errors.append(f"{where}: name {m['name']!r} differs from the file name")
+    for key, allowed in CHOICES.items():
+        if m[key] not in allowed:
+            errors.append(f"{where}: {key} = {m[key]!r} not in {sorted(allowed)}")
+    for key in ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab", "max_positions"):
+        if m[key] < 1:
+            errors.append(f"{where}: {key} must be >= 1")
+    if m["kv_heads"] >= 1 and m["heads"] % m["kv_heads"]:
+        errors.append(f"{where}: heads {m['heads']} not a multiple of kv_heads {m['kv_heads']}")
+    if not 0.0 <= m["dropout"] < 1.0:
+        errors.append(f"{where}: dropout out of [0, 1)")
+    if "expected_params" in m and "params_source" not in m:
+        errors.append(f"{where}: expected_params without params_source")
+    if "moe" in m:
+        errors += _check_keys(m["moe"], MOE_REQUIRED, {}, f"{where} [moe]")
+        if not errors and m["moe"]["top_k"] > m["moe"]["experts"]:
+            errors.append(f"{where}: moe top_k exceeds experts")
+    if errors:
+        return errors, []
+    computed = param_count(m)
+    expected = m.get("expected_params")
+    status = "-" if expected is None else ("ok" if computed == expected else "MISMATCH")
+    if status == "MISMATCH":
+        errors.append(f"{where}: computed {computed:,} != expected_params {expected:,}")
+    exp = "" if expected is None else f"{expected:,}"
+    row = [m["name"], m["family"], f"{computed:,}", exp, status]
+    return errors, row
+
+
+def check_gpu(path: Path, g: dict) -> tuple[list[str], list[str]]:
+    where = f"gpus/{path.name}"
+    errors = _check_keys(g, GPU_REQUIRED, GPU_OPTIONAL, where)
+    if errors:
+        return errors, []
+    errors += _check_aliases(g, where)
+    if g["name"] != path.stem:
+        errors.append(f"{where}: name {g['name']!r} differs from the file name")
+    flops = g["flops"]
+    unknown = set(flops) - FLOPS_KEYS
+    if unknown:
+        errors.append(f"{where}: unknown [flops] keys {sorted(unknown)}")
+    for key in ("fp32", "bf16", "fp16"):
+        if key not in flops and not (key == "bf16" and g["name"].startswith("v100")):
+            errors.append(f"{where}: [flops] lacks {key}")
+    for key, value in flops.items():
+        if not _type_ok(value, (int, float)) or value <= 0:
+            errors.append(f"{where}: [flops] {key} must be a positive number")
+    for key in ("memory_bytes", "hbm_bytes_per_s", "gpus_per_node", "intra_node_bytes_per_s"):
+        if g[key] <= 0:
+            errors.append(f"{where}: {key} must be > 0")
+    if g["inter_node_bytes_per_s"] < 0 or g["latency_s"] < 0 or g["runtime_overhead_bytes"] < 0:
+        errors.append(f"{where}: negative network/latency/overhead figure")
+    if not 0 < g["default_mfu"] <= 1:
+        errors.append(f"{where}: default_mfu out of (0, 1]")
+    row = [
+        g["name"],
+        f"{g['memory_bytes'] / 2**30:.2f} GiB",
+        f"{flops.get('bf16', flops.get('fp16', 0)) / 1e12:.1f}",
+        f"{g['hbm_bytes_per_s'] / 1e12:.2f}",
+        f"{g['intra_node_bytes_per_s'] / 1e9:.0f}",
+        f"{g['inter_node_bytes_per_s'] / 1e9:.1f}",
+        f"{g['default_mfu']:.2f}",
+    ]
+    return errors, row
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def main(argv: list[str]) -> int:
+    root = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parent.parent / "presets"
+    errors: list[str] = []
+    tables = []
+    seen: dict[str, str] = {}
+    for kind, checker, header in (
+        ("models", check_model, ["model", "family", "computed params", "expected_params", "check"]),
+        ("gpus", check_gpu, ["gpu", "memory", "bf16 TF/s", "HBM TB/s", "intra GB/s", "inter GB/s", "mfu"]),
+    ):
+        files = sorted((root / kind).glob("*.toml"))
+        if not files:
+            errors.append(f"no files in {root / kind}")
+        rows = []
+        for path in files:
+            try:
+                data = tomllib.loads(path.read_text(encoding="utf-8"))
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                errors.append(f"{kind}/{path.name}: cannot parse: {exc}")
+                continue
+            errs, row = checker(path, data)
+            errors += errs
+            if row:
+                rows.append(row)
+            for label in [data.get("name", "")] + list(data.get("aliases", [])):
+                key = f"{kind}:{str(label).lower()}"
+                if key in seen and seen[key] != path.name:
+                    errors.append(f"{kind}/{path.name}: name or alias {label!r} also used by {seen[key]}")
+                seen[key] = path.name
+        tables.append(_table(header, rows))
+    print("\n\n".join(tables))
+    if errors:
+        print("\nPROBLEMS:")
+        print("\n".join(f"  {e}" for e in errors))
+        return 1
+    print("\nall presets OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
