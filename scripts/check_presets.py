@@ -2,9 +2,10 @@
 """Check the preset TOML files under presets/ (stdlib only; does not import memcalc).
 
 For every file in presets/models/ and presets/gpus/: parse it with tomllib, check the required keys, their
-types and allowed values, and that `name` matches the file name. For models, compute the exact parameter count
-from the shape (the formula in the module docstring of memcalc/cost/params.py, restated in param_count() below)
-and compare it with `expected_params` where a file has one. Prints a table; exits 1 on any problem.
+types and allowed values, that no unknown key is present, that `name` matches the file name and that names and
+aliases are unique. For models, compute the exact parameter count from the shape (param_count() below: embedding,
+learned positions, per-layer attention / MLP or MoE / two norms, final norm, untied LM head) and compare it with
+`expected_params` where a file has one. Prints a table per kind; exits 1 on any problem.
 
 Usage: python scripts/check_presets.py [PRESETS_DIR]
 """
@@ -40,7 +41,6 @@ MODEL_REQUIRED: dict[str, type | tuple[type, ...]] = {
 MODEL_OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "expected_params": int,
     "params_source": str,
-    "params_note": str,
     "moe": dict,
 }
 MOE_REQUIRED: dict[str, type] = {"experts": int, "top_k": int, "expert_ffn": int, "shared_experts": int}
@@ -67,7 +67,7 @@ GPU_REQUIRED: dict[str, type | tuple[type, ...]] = {
     "default_mfu": (int, float),
     "flops": dict,
 }
-GPU_OPTIONAL: dict[str, type | tuple[type, ...]] = {"network_note": str, "overhead_note": str, "mfu_note": str}
+GPU_OPTIONAL: dict[str, type | tuple[type, ...]] = {}
 FLOPS_KEYS = {"fp32", "tf32", "bf16", "fp16", "fp8"}
 
 
@@ -225,7 +225,7 @@ def main(argv: list[str]) -> int:
         ("models", check_model, ["model", "family", "computed params", "expected_params", "check"]),
         ("gpus", check_gpu, ["gpu", "memory", "bf16 TF/s", "HBM TB/s", "intra GB/s", "inter GB/s", "mfu"]),
     ):
-        files = sorted((root / kind).glob("*.toml"))
+        files = sorted((root / kind).glob("*.toml"), key=lambda p: p.stem)
         if not files:
             errors.append(f"no files in {root / kind}")
         rows = []

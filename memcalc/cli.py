@@ -1,0 +1,268 @@
+"""The `memcalc` command: a thin shell over options.build_run -> cost.estimate -> report.
+
+Errors: every bad input prints one line `memcalc: error: ...` on stderr and exits 2 (never a traceback).
+A configuration that does not fit is a result: exit 0 (or 1 with --check).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from memcalc.errors import InputError
+from memcalc.options import DEFAULT_GPU, RunOptions
+
+app = typer.Typer(
+    name="memcalc",
+    help="Will this training run fit, and what should I change? Per-GPU memory, communication and step time "
+    "for DP / ZeRO / TP / PP / SP / CP transformer training.",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+_M = "Model"
+_T = "Training"
+_P = "Parallelism"
+_H = "Hardware"
+_O = "Output"
+
+
+def _opt(*names: str, help: str, panel: str, **kw: Any) -> Any:
+    return typer.Option(*names, help=help, rich_help_panel=panel, show_default=kw.pop("show_default", True), **kw)
+
+
+# name -> (annotation, default, typer.Option); the order is the order in --help.
+RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
+    "model": (Optional[str], None, _opt("--model", "-m", help="Preset name (see `memcalc presets`) or path to a "
+              "Hugging Face config.json or a preset-format TOML.", panel=_M)),
+    "params": (Optional[str], None, _opt("--params", help="Parameter count (7B, 1.5e9, 124M). Alone: model states "
+               "use exactly this count and a Llama-style reference shape of that size supplies dimensions.", panel=_M)),
+    "layers": (Optional[int], None, _opt("--layers", help="Override the number of layers.", panel=_M)),
+    "hidden": (Optional[int], None, _opt("--hidden", help="Override the hidden size.", panel=_M)),
+    "heads": (Optional[int], None, _opt("--heads", help="Override the attention heads.", panel=_M)),
+    "kv_heads": (Optional[int], None, _opt("--kv-heads", help="Override the KV heads (GQA/MQA).", panel=_M)),
+    "ffn": (Optional[int], None, _opt("--ffn", help="Override the MLP intermediate size.", panel=_M)),
+    "vocab": (Optional[int], None, _opt("--vocab", help="Override the vocabulary size.", panel=_M)),
+    "seq": (int, 4096, _opt("--seq", help="Sequence length (tokens).", panel=_T)),
+    "micro_batch": (int, 1, _opt("--micro-batch", "--mb", help="Sequences per micro-batch per GPU.", panel=_T)),
+    "global_batch": (Optional[int], None, _opt("--global-batch", help="Sequences per optimizer step (sets "
+                     "grad-accum = global / (micro-batch * dp)).", panel=_T)),
+    "grad_accum": (Optional[int], None, _opt("--grad-accum", help="Micro-batches per optimizer step.", panel=_T)),
+    "precision": (str, "bf16", _opt("--precision", help="fp32 | bf16 | fp16 | fp8.", panel=_T)),
+    "master_weights": (Optional[bool], None, _opt("--master-weights/--no-master-weights", help="Keep fp32 master "
+                       "weights (default: yes for mixed precision).", panel=_T, show_default=False)),
+    "grad_dtype": (Optional[str], None, _opt("--grad-dtype", help="fp32 | bf16 | fp16 (default: the profile's).",
+                   panel=_T)),
+    "optimizer": (str, "adamw", _opt("--optimizer", help="adam | adamw | sgd | sgd-momentum | adam-8bit | adafactor "
+                  "| lion.", panel=_T)),
+    "recompute": (str, "none", _opt("--recompute", help="Activation recompute: none | selective | full.", panel=_T)),
+    "recompute_layers": (Optional[int], None, _opt("--recompute-layers", help="Checkpoint only this many layers per "
+                         "stage.", panel=_T)),
+    "attention": (str, "flash", _opt("--attention", help="flash (SDPA/flash kernels) | eager.", panel=_T)),
+    "loss": (str, "full", _opt("--loss", help="full (fp32 logits) | chunked.", panel=_T)),
+    "dropout": (Optional[float], None, _opt("--dropout", help="Dropout probability (default: the model's).",
+                panel=_T)),
+    "foreach": (Optional[bool], None, _opt("--foreach/--no-foreach", help="Multi-tensor optimizer step (default: "
+                "the profile's).", panel=_T, show_default=False)),
+    "fragmentation": (Optional[float], None, _opt("--fragmentation", help="Fraction of reserved memory left "
+                      "unallocated by the caching allocator (default: modelled).", panel=_T)),
+    "mfu": (Optional[float], None, _opt("--mfu", help="Assumed model-FLOPs utilisation (default: the GPU's).",
+            panel=_T)),
+    "gpus": (Optional[int], None, _opt("--gpus", "-g", help="Total GPUs (default: tp*pp*cp*dp).", panel=_P)),
+    "dp": (Optional[int], None, _opt("--dp", help="Data-parallel degree (default: gpus / (tp*pp*cp)).", panel=_P)),
+    "tp": (int, 1, _opt("--tp", help="Tensor-parallel degree.", panel=_P)),
+    "pp": (int, 1, _opt("--pp", help="Pipeline-parallel degree.", panel=_P)),
+    "vpp": (int, 1, _opt("--vpp", help="Virtual pipeline stages per rank (interleaved 1F1B).", panel=_P)),
+    "cp": (int, 1, _opt("--cp", help="Context-parallel degree.", panel=_P)),
+    "ep": (int, 1, _opt("--ep", help="Expert-parallel degree (MoE).", panel=_P)),
+    "sp": (Optional[bool], None, _opt("--sp/--no-sp", help="Sequence parallel with TP (default: on for megatron).",
+           panel=_P, show_default=False)),
+    "zero": (int, 0, _opt("--zero", "-z", help="ZeRO stage 0-3 (megatron: 1 = distributed optimizer; torch: "
+             "1 = ZeroRedundancyOptimizer, 2/3 = FSDP2).", panel=_P)),
+    "offload": (str, "none", _opt("--offload", help="none | optimizer | params (CPU offload).", panel=_P)),
+    "schedule": (Optional[str], None, _opt("--schedule", help="Pipeline schedule: 1f1b | interleaved | gpipe.",
+                 panel=_P)),
+    "order": (str, "tp,cp,pp,dp", _opt("--order", help="Rank placement, innermost first.", panel=_P)),
+    "tp_overlap": (bool, False, _opt("--tp-overlap/--no-tp-overlap", help="TP communication overlapped with "
+                   "compute.", panel=_P)),
+    "profile": (str, "torch", _opt("--profile", help="Framework whose buffers and dtypes to model: torch | "
+                "megatron | deepspeed.", panel=_P)),
+    "gpu": (str, DEFAULT_GPU, _opt("--gpu", help="GPU preset (see `memcalc presets`).", panel=_H)),
+    "gpus_per_node": (Optional[int], None, _opt("--gpus-per-node", help="Override the GPU preset.", panel=_H)),
+    "intra_bw": (Optional[float], None, _opt("--intra-bw", help="Intra-node bytes/s per GPU per direction.",
+                 panel=_H)),
+    "inter_bw": (Optional[float], None, _opt("--inter-bw", help="Inter-node (NIC) bytes/s per GPU per direction.",
+                 panel=_H)),
+    "latency": (Optional[float], None, _opt("--latency", help="Per-step collective latency, seconds.", panel=_H)),
+    "memory": (Optional[str], None, _opt("--memory", help="Override GPU memory capacity (e.g. 80GiB).", panel=_H)),
+    "runtime_overhead": (Optional[str], None, _opt("--runtime-overhead", help="Memory outside the allocator (CUDA "
+                         "context, NCCL), e.g. 1GiB.", panel=_H)),
+}
+
+
+def with_options(options: dict[str, tuple[Any, Any, Any]]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command the named options in addition to its own keyword-only parameters."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        own = list(inspect.signature(fn).parameters.values())
+        own = [p for p in own if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        extra = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                              annotation=Annotated[ann, opt])
+            for name, (ann, default, opt) in options.items()
+        ]
+
+        @functools.wraps(fn)
+        def wrapper(**kwargs: Any) -> Any:
+            return fn(**kwargs)
+
+        wrapper.__signature__ = inspect.Signature(own + extra)  # type: ignore[attr-defined]
+        return wrapper
+
+    return deco
+
+
+def run_options_from(kwargs: dict[str, Any]) -> RunOptions:
+    return RunOptions(**{k: kwargs[k] for k in RUN_OPTIONS if k in kwargs})
+
+
+def _stage_arg(stage: str | None, pp: int) -> int | None:
+    if stage is None:
+        return None
+    s = stage.strip().lower()
+    if s == "first":
+        return 0
+    if s == "last":
+        return pp - 1
+    if s == "worst":
+        return None
+    try:
+        return int(s)
+    except ValueError:
+        raise InputError(f"--stage {stage!r} is not valid; valid: first, last, worst, 0..{pp - 1}") from None
+
+
+@app.command()
+@with_options(RUN_OPTIONS)
+def estimate(
+    *,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON (schema: docs/json.md).",
+                                           rich_help_panel=_O)] = False,
+    units: Annotated[str, typer.Option("--units", help="GiB (2^30) or GB (10^9) in tables.",
+                                       rich_help_panel=_O)] = "GiB",
+    explain: Annotated[bool, typer.Option("--explain", help="Show each formula with its numbers.",
+                                          rich_help_panel=_O)] = False,
+    stage: Annotated[Optional[str], typer.Option("--stage", help="Pipeline stage the headline describes: first | "
+                                                 "last | worst | N.", rich_help_panel=_O)] = None,
+    check: Annotated[bool, typer.Option("--check", help="Exit 1 when the configuration does not fit (CI gate).",
+                                        rich_help_panel=_O)] = False,
+    **kwargs: Any,
+) -> None:
+    """Per-GPU memory (params, grads, optimizer, activations, buffers, fragmentation), communication and step
+    time of one training configuration."""
+    from memcalc.cost.estimate import estimate as run_estimate
+    from memcalc.options import build_run, check_choice
+
+    units = check_choice("units", units) or "GiB"
+    run = build_run(run_options_from(kwargs))
+    est = run_estimate(run, stage=_stage_arg(stage, run.pp))
+    if json_out:
+        sys.stdout.write(est.model_dump_json(indent=2) + "\n")
+    else:
+        from memcalc.report.table import render_estimate
+
+        render_estimate(est, run, units=units, explain=explain)
+    if check and not est.memory.fits:
+        raise typer.Exit(1)
+
+
+presets_app = typer.Typer(help="List the model and GPU presets, or show one.", no_args_is_help=False,
+                          invoke_without_command=True, rich_markup_mode=None)
+app.add_typer(presets_app, name="presets")
+
+
+@presets_app.callback()
+def presets_list(ctx: typer.Context,
+                 json_out: Annotated[bool, typer.Option("--json", help="As JSON.")] = False) -> None:
+    """List the model and GPU presets."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from memcalc.report.presets import render_presets
+
+    render_presets(json_out=json_out)
+
+
+@presets_app.command("show")
+def presets_show(name: Annotated[str, typer.Argument(help="A model or GPU preset name.")],
+                 json_out: Annotated[bool, typer.Option("--json", help="As JSON.")] = False) -> None:
+    """Show one preset with its derived parameter counts (models) or figures (GPUs)."""
+    from memcalc.report.presets import render_preset
+
+    render_preset(name, json_out=json_out)
+
+
+def _register_optional_commands() -> None:
+    """Commands that live in their own modules (plan, validate, schema) register themselves here."""
+    import importlib
+
+    for mod in ("memcalc.plan.cli", "memcalc.validate.cli"):
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name and mod.startswith(e.name):
+                continue
+            raise
+        module.register(app)
+
+
+_register_optional_commands()
+
+
+def _click_api() -> tuple[Any, type, type]:
+    """(click exceptions module, Exit, Abort): typer >= 0.25 vendors click as typer._click, older typer uses click."""
+    try:
+        from typer._click import exceptions as click_exc  # type: ignore[attr-defined]
+        from typer.exceptions import Abort, Exit  # type: ignore[attr-defined]
+    except ImportError:  # typer with the external click package
+        from click import exceptions as click_exc
+
+        Exit, Abort = click_exc.Exit, click_exc.Abort
+    return click_exc, Exit, Abort
+
+
+def main(argv: list[str] | None = None) -> None:
+    click_exc, Exit, Abort = _click_api()
+    command = typer.main.get_command(app)
+    try:
+        rv = command.main(args=argv, prog_name="memcalc", standalone_mode=False)
+    except InputError as e:
+        sys.stderr.write(f"memcalc: error: {e}\n")
+        sys.exit(2)
+    except click_exc.NoArgsIsHelpError as e:
+        sys.stdout.write(e.ctx.get_help() + "\n")
+        sys.exit(0)
+    except click_exc.UsageError as e:
+        msg = " ".join(e.format_message().split())
+        sys.stderr.write(f"memcalc: error: {msg}\n")
+        sys.exit(2)
+    except click_exc.ClickException as e:
+        sys.stderr.write(f"memcalc: error: {e.format_message()}\n")
+        sys.exit(2)
+    except Exit as e:
+        sys.exit(e.exit_code)
+    except Abort:
+        sys.stderr.write("memcalc: aborted\n")
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Turn command-line option values into a resolved `Run`. Shared by estimate, plan and validate so that the same
+flags mean the same thing everywhere. Every bad value raises InputError with one line naming it and what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pydantic import ValidationError
+
+from memcalc.errors import InputError
+from memcalc.specs import (
+    OPTIMIZERS,
+    PROFILES,
+    HardwareSpec,
+    ModelSpec,
+    ParallelSpec,
+    Run,
+    TrainingSpec,
+    resolve,
+    validation_message,
+)
+from memcalc.units import parse_bytes, parse_count
+
+DEFAULT_GPU = "h100-sxm-80gb"
+
+# spec field -> the flag a user typed, for error messages
+FLAG_OF = {
+    "hidden": "--hidden", "layers": "--layers", "heads": "--heads", "kv_heads": "--kv-heads", "ffn": "--ffn",
+    "vocab": "--vocab", "seq": "--seq", "micro_batch": "--micro-batch", "global_batch": "--global-batch",
+    "grad_accum": "--grad-accum", "precision": "--precision", "grad_dtype": "--grad-dtype",
+    "optimizer": "--optimizer", "recompute": "--recompute", "recompute_layers": "--recompute-layers",
+    "attention": "--attention", "loss": "--loss", "dropout": "--dropout", "fragmentation": "--fragmentation",
+    "mfu": "--mfu", "gpus": "--gpus", "dp": "--dp", "tp": "--tp", "pp": "--pp", "vpp": "--vpp", "cp": "--cp",
+    "ep": "--ep", "zero": "--zero", "offload": "--offload", "schedule": "--schedule",
+}
+
+CHOICES = {
+    "precision": ("fp32", "bf16", "fp16", "fp8"),
+    "grad_dtype": ("fp32", "bf16", "fp16"),
+    "optimizer": OPTIMIZERS,
+    "recompute": ("none", "selective", "full"),
+    "attention": ("flash", "eager"),
+    "loss": ("full", "chunked"),
+    "offload": ("none", "optimizer", "params"),
+    "schedule": ("1f1b", "interleaved", "gpipe"),
+    "profile": PROFILES,
+    "units": ("GiB", "GB"),
+}
+
+
+def check_choice(field: str, value: str | None) -> str | None:
+    if value is None:
+        return None
+    valid = CHOICES[field]
+    low = value.strip().lower()
+    if field == "units":
+        for v in valid:
+            if v.lower() == low:
+                return v
+    elif low in valid:
+        return low
+    flag = FLAG_OF.get(field, f"--{field.replace('_', '-')}")
+    raise InputError(f"{flag} {value!r} is not valid; valid: {', '.join(valid)}")
+
+
+def check_positive(flag: str, value: int | None, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise InputError(f"{flag} {value} must be at least {minimum}")
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """Every flag that describes a configuration (None = default). One field per flag."""
+
+    model: str | None = None
+    params: str | None = None
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+    ffn: int | None = None
+    vocab: int | None = None
+    seq: int = 4096
+    micro_batch: int = 1
+    global_batch: int | None = None
+    grad_accum: int | None = None
+    precision: str = "bf16"
+    master_weights: bool | None = None
+    grad_dtype: str | None = None
+    optimizer: str = "adamw"
+    recompute: str = "none"
+    recompute_layers: int | None = None
+    attention: str = "flash"
+    loss: str = "full"
+    dropout: float | None = None
+    foreach: bool | None = None
+    fragmentation: float | None = None
+    mfu: float | None = None
+    gpus: int | None = None
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sp: bool | None = None
+    zero: int = 0
+    offload: str = "none"
+    schedule: str | None = None
+    order: str = "tp,cp,pp,dp"
+    tp_overlap: bool = False
+    profile: str = "torch"
+    gpu: str = DEFAULT_GPU
+    gpus_per_node: int | None = None
+    intra_bw: float | None = None
+    inter_bw: float | None = None
+    latency: float | None = None
+    memory: str | None = None
+    runtime_overhead: str | None = None
+
+
+def build_model(o: RunOptions) -> tuple[ModelSpec, str | None]:
+    """The model and, with --params alone, the name of the reference shape assumed."""
+    from memcalc.presets import load_model, reference_shape
+
+    if o.model and o.params:
+        base = load_model(o.model)
+        model = base.model_copy(update={"params_override": parse_count(o.params)})
+        assumed = None
+    elif o.model:
+        model, assumed = load_model(o.model), None
+    elif o.params:
+        model = reference_shape(parse_count(o.params))
+        assumed = model.name
+    else:
+        model, assumed = None, None
+    overrides = {k: getattr(o, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    for k, v in overrides.items():
+        check_positive(FLAG_OF[k], v)
+    if model is None:
+        missing = [FLAG_OF[k] for k in ("layers", "hidden", "heads", "ffn", "vocab") if k not in overrides]
+        if missing:
+            raise InputError(
+                "give --model NAME|PATH, or --params N (e.g. 7B), or all of --layers --hidden --heads --ffn --vocab "
+                f"(missing: {' '.join(missing)})"
+            )
+        data: dict[str, Any] = {"name": "custom", **overrides}
+    else:
+        data = model.model_dump()
+        data.update(overrides)
+        if "heads" in overrides and "kv_heads" not in overrides:
+            data["kv_heads"] = overrides["heads"] if model.kv_heads == model.heads else model.kv_heads
+        if {"hidden", "heads"} & set(overrides):
+            data["head_dim"] = 0
+        if overrides:
+            data["name"] = f"{model.name}+overrides"
+            data["display_name"] = f"{model.display_name} (overridden: {', '.join(sorted(overrides))})"
+        if "heads" in overrides or "kv_heads" in overrides:
+            if data["heads"] % data["kv_heads"]:
+                raise InputError(f"--heads {data['heads']} is not a multiple of --kv-heads {data['kv_heads']}")
+    try:
+        return ModelSpec(**data), assumed
+    except ValidationError as e:
+        raise InputError(_spec_error(e)) from None
+
+
+def build_hardware(o: RunOptions) -> HardwareSpec:
+    from memcalc.presets import load_gpu
+
+    hw = load_gpu(o.gpu)
+    upd: dict[str, Any] = {}
+    check_positive("--gpus-per-node", o.gpus_per_node)
+    if o.gpus_per_node is not None:
+        upd["gpus_per_node"] = o.gpus_per_node
+    for flag, field, val in (("--intra-bw", "intra_node_bytes_per_s", o.intra_bw),
+                             ("--inter-bw", "inter_node_bytes_per_s", o.inter_bw), ("--latency", "latency_s", o.latency)):
+        if val is not None:
+            if val < 0 or (val == 0 and field != "latency_s"):
+                raise InputError(f"{flag} {val} must be positive")
+            upd[field] = val
+    if o.memory is not None:
+        upd["memory_bytes"] = parse_bytes(o.memory, "--memory")
+        if upd["memory_bytes"] < 1:
+            raise InputError(f"--memory {o.memory!r} must be positive")
+    if o.runtime_overhead is not None:
+        upd["runtime_overhead_bytes"] = parse_bytes(o.runtime_overhead, "--runtime-overhead")
+    return hw.model_copy(update=upd) if upd else hw
+
+
+def _spec_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    loc = [str(x) for x in err.get("loc", ())]
+    field = loc[-1] if loc else ""
+    flag = FLAG_OF.get(field, field)
+    msg = err.get("msg", "invalid")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if flag:
+        return f"{flag} {err.get('input')!r}: {msg}"
+    return validation_message(e)
+
+
+def build_run(o: RunOptions) -> Run:
+    profile = check_choice("profile", o.profile)
+    for field in ("precision", "grad_dtype", "optimizer", "recompute", "attention", "loss", "offload", "schedule"):
+        setattr(o, field, check_choice(field, getattr(o, field)))
+    for flag, v in (("--gpus", o.gpus), ("--dp", o.dp), ("--tp", o.tp), ("--pp", o.pp), ("--vpp", o.vpp),
+                    ("--cp", o.cp), ("--ep", o.ep), ("--seq", o.seq), ("--micro-batch", o.micro_batch),
+                    ("--global-batch", o.global_batch), ("--grad-accum", o.grad_accum)):
+        check_positive(flag, v)
+    if o.zero not in (0, 1, 2, 3):
+        raise InputError(f"--zero {o.zero} is not a ZeRO stage; valid: 0, 1, 2, 3")
+    check_positive("--recompute-layers", o.recompute_layers, minimum=0)
+    for flag, v, hi in (("--dropout", o.dropout, 1.0), ("--fragmentation", o.fragmentation, 1.0)):
+        if v is not None and not 0.0 <= v < hi:
+            raise InputError(f"{flag} {v} must be in [0, 1)")
+    if o.mfu is not None and not 0.0 < o.mfu <= 1.0:
+        raise InputError(f"--mfu {o.mfu} must be in (0, 1]")
+    model, assumed = build_model(o)
+    hardware = build_hardware(o)
+    try:
+        training = TrainingSpec(
+            seq=o.seq, micro_batch=o.micro_batch, global_batch=o.global_batch, grad_accum=o.grad_accum,
+            precision=o.precision, master_weights=o.master_weights, grad_dtype=o.grad_dtype, optimizer=o.optimizer,
+            recompute=o.recompute, recompute_layers=o.recompute_layers, attention=o.attention, loss=o.loss,
+            dropout=o.dropout, foreach=o.foreach, fragmentation=o.fragmentation, mfu=o.mfu,
+        )
+        parallel = ParallelSpec(
+            gpus=o.gpus, dp=o.dp, tp=o.tp, pp=o.pp, vpp=o.vpp, cp=o.cp, ep=o.ep, sp=o.sp, zero=o.zero,
+            offload=o.offload, schedule=o.schedule, order=o.order, tp_overlap=o.tp_overlap,
+        )
+    except ValidationError as e:
+        raise InputError(_spec_error(e)) from None
+    if o.recompute_layers is not None and o.recompute_layers > model.layers:
+        raise InputError(f"--recompute-layers {o.recompute_layers} exceeds the model's {model.layers} layers")
+    return resolve(model, training, parallel, hardware, profile, assumed_shape=assumed)

@@ -1,0 +1,220 @@
+"""Model and GPU presets (TOML files under presets/, shipped inside the wheel as memcalc/presets), Hugging Face
+`config.json` import, and the `--params N` reference shapes. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from memcalc.errors import InputError
+from memcalc.specs import HardwareSpec, ModelSpec, validation_message
+
+_MODEL_KEYS = set(ModelSpec.model_fields)
+_GPU_KEYS = set(HardwareSpec.model_fields)
+
+
+def presets_dir() -> Path:
+    """presets/ inside the installed package (wheel), else the source checkout's top-level presets/."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "presets", here.parent / "presets"):
+        if (cand / "models").is_dir():
+            return cand
+    raise InputError("memcalc's presets/ folder is missing from this installation; reinstall memcalc")
+
+
+def _slug(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+@functools.lru_cache(maxsize=None)
+def _load_dir(kind: str) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for path in sorted((presets_dir() / kind).glob("*.toml")):
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+        data["_path"] = str(path)
+        out[data["name"]] = data
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _aliases(kind: str) -> dict[str, str]:
+    table: dict[str, str] = {}
+    for name, data in _load_dir(kind).items():
+        for alias in [name, *data.get("aliases", [])]:
+            table[_slug(alias)] = name
+            table[_slug(alias).replace("-", "")] = name
+    return table
+
+
+def _lookup(kind: str, name: str, flag: str) -> dict[str, Any]:
+    table = _aliases(kind)
+    key = _slug(name)
+    hit = table.get(key) or table.get(key.replace("-", ""))
+    if hit is None:
+        names = sorted(_load_dir(kind))
+        close = difflib.get_close_matches(key, list(table), n=3, cutoff=0.5)
+        close_names = list(dict.fromkeys(table[c] for c in close))
+        hint = f"did you mean {', '.join(close_names)}? " if close_names else ""
+        raise InputError(f"{flag} {name!r} is not a known preset; {hint}valid: {', '.join(names)}")
+    return _load_dir(kind)[hit]
+
+
+def model_names() -> list[str]:
+    return sorted(_load_dir("models"))
+
+
+def gpu_names() -> list[str]:
+    return sorted(_load_dir("gpus"))
+
+
+def model_preset_data(name: str) -> dict[str, Any]:
+    return _lookup("models", name, "--model")
+
+
+def gpu_preset_data(name: str) -> dict[str, Any]:
+    return _lookup("gpus", name, "--gpu")
+
+
+def _model_from_dict(data: dict[str, Any], where: str) -> ModelSpec:
+    fields = {k: v for k, v in data.items() if k in _MODEL_KEYS}
+    try:
+        return ModelSpec(**fields)
+    except ValidationError as e:
+        raise InputError(validation_message(e, prefix=f"{where}: ")) from None
+
+
+def load_model_preset(name: str) -> ModelSpec:
+    data = model_preset_data(name)
+    return _model_from_dict(data, f"preset {data['name']}")
+
+
+def load_gpu(name: str) -> HardwareSpec:
+    data = gpu_preset_data(name)
+    fields = {k: v for k, v in data.items() if k in _GPU_KEYS}
+    try:
+        return HardwareSpec(**fields)
+    except ValidationError as e:
+        raise InputError(validation_message(e, prefix=f"GPU preset {data['name']}: ")) from None
+
+
+# --- Hugging Face config.json -------------------------------------------------------------------------------
+
+_HF_GELU = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu"}
+
+
+def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
+    """Map the field names of Llama, Mistral, Qwen2, Mixtral, GPT-2 and GPT-NeoX configs onto a ModelSpec."""
+    mt = str(cfg.get("model_type", "")).lower()
+
+    def get(*keys: str, default: Any = None) -> Any:
+        for k in keys:
+            if k in cfg and cfg[k] is not None:
+                return cfg[k]
+        return default
+
+    hidden = get("hidden_size", "n_embd", "d_model")
+    if hidden is None:
+        raise InputError(f"{where} has no hidden_size (or n_embd); it is not a transformer config.json")
+    layers = get("num_hidden_layers", "n_layer", "num_layers")
+    heads = get("num_attention_heads", "n_head")
+    vocab = get("vocab_size")
+    for key, val in (("num_hidden_layers", layers), ("num_attention_heads", heads), ("vocab_size", vocab)):
+        if val is None:
+            raise InputError(f"{where} has no {key}; a config.json for Llama, Mistral, Qwen2, GPT-2 or GPT-NeoX needs it")
+    gpt2 = mt == "gpt2" or "n_embd" in cfg
+    neox = mt == "gpt_neox"
+    act = str(get("hidden_act", "activation_function", default="silu")).lower()
+    gated = act not in _HF_GELU and not gpt2 and not neox
+    ffn = get("intermediate_size", "n_inner")
+    if ffn is None:
+        ffn = 4 * hidden
+    spec: dict[str, Any] = {
+        "name": str(get("_name_or_path", default="")).split("/")[-1].lower() or (mt or "hf-model"),
+        "hidden": hidden,
+        "layers": layers,
+        "heads": heads,
+        "kv_heads": get("num_key_value_heads", default=heads),
+        "head_dim": get("head_dim", default=hidden // heads),
+        "ffn": ffn,
+        "vocab": vocab,
+        "mlp": "swiglu" if gated else "gelu",
+        "norm": "layernorm" if (gpt2 or neox) else "rmsnorm",
+        "qkv_bias": bool(gpt2 or neox or mt == "qwen2" or get("attention_bias", default=False)),
+        "linear_bias": bool(gpt2 or neox or get("mlp_bias", default=False)),
+        "tied_embeddings": bool(get("tie_word_embeddings", default=gpt2)),
+        "positions": "learned" if gpt2 else "rotary",
+        "max_positions": get("max_position_embeddings", "n_positions", "n_ctx", default=0),
+        "dropout": float(get("attention_dropout", "attn_pdrop", "hidden_dropout", default=0.0) or 0.0),
+        "source": f"Hugging Face config.json at {where}",
+    }
+    experts = get("num_local_experts", "num_experts")
+    if experts:
+        spec["moe"] = {
+            "experts": experts,
+            "top_k": get("num_experts_per_tok", default=2),
+            "expert_ffn": get("moe_intermediate_size", default=ffn),
+            "shared_experts": 1 if get("shared_expert_intermediate_size") else 0,
+        }
+    return _model_from_dict(spec, where)
+
+
+def load_model_file(path: Path) -> ModelSpec:
+    if not path.is_file():
+        raise InputError(f"--model {str(path)!r} is neither a preset nor a readable file; see `memcalc presets`")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix.lower() == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise InputError(f"--model {str(path)!r} is not valid TOML: {e}") from None
+        if "name" not in data:
+            data["name"] = path.stem
+        return _model_from_dict(data, str(path))
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"--model {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}); expected a config.json") from None
+    if not isinstance(cfg, dict):
+        raise InputError(f"--model {str(path)!r} holds a JSON {type(cfg).__name__}, not a config object")
+    return model_from_hf_config(cfg, str(path))
+
+
+def load_model(ref: str) -> ModelSpec:
+    """A preset name, or a path to a config.json / preset-format TOML."""
+    looks_like_path = ref.endswith((".json", ".toml")) or "/" in ref or "\\" in ref
+    if looks_like_path:
+        return load_model_file(Path(ref))
+    return load_model_preset(ref)
+
+
+# --- --params N: reference shapes ----------------------------------------------------------------------------
+
+REFERENCE_FAMILIES = ("llama",)
+
+
+def reference_shape(n_params: int) -> ModelSpec:
+    """The Llama-style preset nearest in (log) size to `n_params`; its dimensions drive activations and compute
+    while model states use exactly `n_params` (ModelSpec.params_override)."""
+    import math
+
+    from memcalc.cost.params import shape_params
+
+    best: tuple[float, ModelSpec] | None = None
+    for name, data in _load_dir("models").items():
+        if data.get("family") not in REFERENCE_FAMILIES or data.get("moe"):
+            continue
+        spec = _model_from_dict(data, f"preset {name}")
+        dist = abs(math.log(shape_params(spec) / n_params))
+        if best is None or dist < best[0]:
+            best = (dist, spec)
+    if best is None:
+        raise InputError("no Llama-style reference shape is installed; reinstall memcalc")
+    return best[1].model_copy(update={"params_override": n_params})

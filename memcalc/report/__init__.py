@@ -1,0 +1,1 @@
+"""Renderers: rich tables, JSON, markdown. Thin: they read an Estimate and print."""

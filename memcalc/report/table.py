@@ -1,0 +1,176 @@
+"""The human view of an Estimate: a rich table of components with bars, the timeline, communication, compute,
+and a plain verdict with what would help. Reads only the Estimate (and the Run for labels)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from memcalc.cost.estimate import Estimate
+from memcalc.specs import Run
+from memcalc.units import UNIT_BYTES, format_bytes, format_count
+
+LABELS = {
+    "params": "parameters",
+    "master_weights": "master weights",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "activations",
+    "buffers": "buffers & temps",
+    "fragmentation": "fragmentation",
+    "runtime": "runtime (CUDA, NCCL)",
+}
+
+BAR_WIDTH = 20
+
+
+def _bar(value: int, total: int) -> str:
+    if total <= 0:
+        return ""
+    n = value / total * BAR_WIDTH
+    full = int(n)
+    return "█" * full + ("▌" if n - full >= 0.5 else "")
+
+
+def _num(b: int, units: str) -> str:
+    return f"{b / UNIT_BYTES[units]:,.2f}"
+
+
+def _component_notes(est: Estimate, run: Run) -> dict[str, str]:
+    r = run.recipe
+    d = est.inputs["parallel"]["shard_degree"]
+    z = run.zero
+    sh = lambda on: f"sharded 1/{d}" if on and d > 1 else "replicated"  # noqa: E731
+    notes = {
+        "params": f"{r.param_dtype}, {sh(z >= 3)}" + (", also the master copy" if r.compute_copy else ""),
+        "master_weights": f"fp32, {sh(z >= 1)}" if r.master_weights else "none kept separately",
+        "grads": f"{r.grad_dtype}, {sh(z >= 2)}" + (" + fp32 copy" if r.fp32_grad_copy else ""),
+        "optimizer": f"{run.training.optimizer} ({r.moment_dtype}), {sh(z >= 1)}",
+    }
+    if run.offload != "none":
+        notes["optimizer"] += f", offloaded to CPU ({run.offload})"
+    notes["fragmentation"] = "caching allocator: reserved - allocated"
+    notes["runtime"] = "outside the allocator"
+    return notes
+
+
+def render_estimate(est: Estimate, run: Run, units: str = "GiB", explain: bool = False,
+                    console: Console | None = None) -> None:
+    con = console or Console(highlight=False)
+    mem = est.memory
+    inp = est.inputs
+    model = inp["model"]
+    par = inp["parallel"]
+    tr = inp["training"]
+    hw = inp["hardware"]
+
+    title = (f"{model['display_name']} · {format_count(model['total_params'])} params · "
+             f"{par['gpus']} x {hw['display_name'] or hw['name']} · profile {inp['profile']}")
+    con.print(Text(title, style="bold"))
+    layout = (f"dp {par['dp']} · tp {par['tp']}{' +SP' if par['sp'] else ''} · pp {par['pp']}"
+              + (f" (vpp {par['vpp']})" if par['vpp'] > 1 else "")
+              + f" · cp {par['cp']}" + (f" · ep {par['ep']}" if par['ep'] > 1 else "")
+              + f" · ZeRO-{par['zero']}" + (f" · offload {par['offload']}" if par['offload'] != "none" else ""))
+    batch = (f"seq {tr['seq']} · micro-batch {tr['micro_batch']} · grad-accum {tr['grad_accum']} · "
+             f"global batch {tr['global_batch']} ({tr['tokens_per_step']:,} tokens/step) · {tr['precision']} · "
+             f"{tr['optimizer']} · recompute {tr['recompute']} · attention {tr['attention']}")
+    con.print(layout)
+    con.print(batch)
+    if model.get("assumed_shape"):
+        con.print(Text(f"--params {format_count(model['total_params'])}: model states use exactly "
+                       f"{model['total_params']:,} parameters; activations and compute assume the "
+                       f"{model['assumed_shape']} shape (h {model['hidden']}, {model['layers']} layers, "
+                       f"{model['heads']} heads). Use --model for another shape.", style="yellow"))
+    for note in inp["recipe"]["notes"]:
+        con.print(Text(f"· {note}", style="dim"))
+
+    stage_txt = (f"stage {mem.reported_stage} of {par['pp']}" if par["pp"] > 1 else "")
+    table = Table(title=None, show_footer=False, pad_edge=False, box=None, header_style="bold")
+    table.add_column("component")
+    table.add_column(units, justify="right")
+    table.add_column("", no_wrap=True)
+    table.add_column("note", style="dim")
+    total = mem.peak_bytes
+    notes = _component_notes(est, run)
+    for key, label in LABELS.items():
+        b = mem.components.get(key, 0)
+        if key in mem.not_modelled:
+            table.add_row(label, Text("n/a", style="yellow"), "", Text("not modelled yet", style="yellow"))
+            continue
+        table.add_row(label, _num(b, units), Text(_bar(b, total), style="cyan"), notes.get(key, ""))
+    table.add_section()
+    table.add_row(Text("allocated peak", style="bold"), _num(mem.allocated_peak_bytes, units), "",
+                  f"at {mem.peak_phase} (max_memory_allocated)")
+    table.add_row(Text("peak per GPU", style="bold"), Text(_num(total, units), style="bold"), "",
+                  f"worst rank {mem.worst_rank}" + (f" ({stage_txt})" if stage_txt else ""))
+    table.add_row("capacity", _num(mem.capacity_bytes, units), "", hw["display_name"] or hw["name"])
+    con.print(table)
+
+    if len(mem.phases) > 1 and "activations" not in mem.not_modelled:
+        tl = "timeline: " + "  →  ".join(f"{p.name} {_num(p.allocated_bytes, units)}" for p in mem.phases)
+        con.print(Text(tl + f" {units} allocated", style="dim"))
+    if par["pp"] > 1:
+        st = "  ".join(f"s{s.stage} {_num(s.peak_bytes, units)}" for s in mem.stages)
+        con.print(Text(f"per stage peak ({units}): {st}", style="dim"))
+
+    _render_comm_compute(est, con, units)
+    _render_verdict(est, con, units)
+    if explain:
+        from memcalc.report.explain import render_explain
+
+        render_explain(est, run, con, units)
+
+
+def _render_comm_compute(est: Estimate, con: Console, units: str) -> None:
+    comm, comp = est.communication, est.compute
+    if comm.modelled and comm.collectives:
+        t = Table(box=None, header_style="bold", pad_edge=False, title=None)
+        for col, just in (("collective", "left"), ("group", "left"), ("per call", "right"),
+                          ("calls/step", "right"), (f"sent/GPU/step ({units})", "right"), ("time/step", "right"),
+                          ("link", "left")):
+            t.add_column(col, justify=just)
+        for c in comm.collectives:
+            t.add_row(c.op, f"{c.group}×{c.group_size}", format_bytes(c.bytes_per_call, units),
+                      str(c.calls_per_step), _num(c.bytes_per_step, units), f"{c.seconds_per_step * 1e3:,.1f} ms",
+                      c.link + (" (overlapped)" if c.overlapped else ""))
+        con.print()
+        con.print(t)
+        con.print(Text(f"communication: {format_bytes(comm.bytes_per_step, units)} sent per GPU per step, "
+                       f"{comm.seconds_per_step * 1e3:,.1f} ms on the wire, "
+                       f"{comm.exposed_seconds_per_step * 1e3:,.1f} ms exposed", style="dim"))
+    elif not comm.modelled:
+        con.print(Text("communication: not modelled yet", style="yellow"))
+    if comp.modelled:
+        con.print(Text(f"compute: {comp.flops_per_step:.3g} FLOP/step · step {comp.step_seconds:,.2f} s "
+                       f"(compute {comp.compute_seconds:,.2f} s, bubble {comp.bubble_seconds:,.2f} s, exposed comm "
+                       f"{comp.exposed_comm_seconds:,.2f} s) · {comp.tokens_per_second:,.0f} tokens/s · MFU "
+                       f"{comp.mfu:.1%} (assumed kernel efficiency {comp.assumed_mfu:.0%})", style="dim"))
+    else:
+        con.print(Text("compute: not modelled yet", style="yellow"))
+
+
+def _render_verdict(est: Estimate, con: Console, units: str) -> None:
+    mem = est.memory
+    cap = mem.capacity_bytes
+    worst = cap - mem.headroom_bytes
+    con.print()
+    if mem.fits:
+        con.print(Text(f"FITS: worst rank {mem.worst_rank} peaks at {format_bytes(worst, units)} of "
+                       f"{format_bytes(cap, units)}; headroom {format_bytes(mem.headroom_bytes, units)} "
+                       f"({mem.headroom_bytes / cap:.0%}).", style="bold green"))
+    else:
+        con.print(Text(f"DOES NOT FIT: worst rank {mem.worst_rank} needs {format_bytes(worst, units)}, "
+                       f"{format_bytes(-mem.headroom_bytes, units)} more than the {format_bytes(cap, units)} "
+                       f"available.", style="bold red"))
+    if mem.not_modelled:
+        con.print(Text(f"(not yet modelled, so not in the peak: {', '.join(mem.not_modelled)})", style="yellow"))
+    if mem.advice:
+        head = "What would help:" if not mem.fits else "Ways to lower the peak:"
+        con.print(head)
+        for a in mem.advice:
+            verdict = "fits" if a.fits_after else "still short"
+            con.print(f"  {a.flags:<22} {a.change}: saves {format_bytes(a.saves_bytes, units)} → "
+                      f"{format_bytes(a.peak_bytes_after, units)} ({verdict})")
