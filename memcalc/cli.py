@@ -110,7 +110,7 @@ def with_options(options: dict[str, tuple[Any, Any, Any]]) -> Callable[[Callable
     """Give a command the named options in addition to its own keyword-only parameters."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        own = list(inspect.signature(fn).parameters.values())
+        own = list(inspect.signature(fn, eval_str=True).parameters.values())
         own = [p for p in own if p.kind is not inspect.Parameter.VAR_KEYWORD]
         extra = [
             inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,

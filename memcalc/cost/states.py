@@ -81,14 +81,21 @@ def _adafactor_elems(run: Run, n_elems: Num, stage: Num) -> Num:
 
     m = run.model
     h = m.hidden
-    factored = 0
-    matrix_elems = 0
-    for rows, cols, count in matrix_shapes(m, run.tp):
-        factored = factored + count * (rows + cols)
-        matrix_elems = matrix_elems + count * rows * cols
+    shapes = matrix_shapes(m, run.tp)
+    attn, mlp = shapes[:3], shapes[3:]  # q; k and v; o  |  gate/up (or fc); down
+
+    def stats(group: list) -> tuple[Num, Num]:
+        f, e = 0, 0
+        for rows, cols, count in group:
+            f, e = f + count * (rows + cols), e + count * rows * cols
+        return f, e
+
+    fa, ea = stats(attn)
+    fm, em = stats(mlp)
     if m.moe is not None:
-        factored = factored * (m.moe.experts // run.ep) + m.moe.experts + h  # + router matrix
-        matrix_elems = matrix_elems * (m.moe.experts // run.ep) + m.moe.experts * h
+        n_mlps = m.moe.experts // run.ep + m.moe.shared_experts
+        fm, em = fm * n_mlps + m.moe.experts + h, em * n_mlps + m.moe.experts * h  # + the router matrix
+    factored, matrix_elems = fa + fm, ea + em
     dense_l, expert_l = layer_params(m, run.tp, run.ep)
     vectors = dense_l + expert_l - matrix_elems  # norms and biases
     n_layers = stage_layers(m, run.pp, stage)

@@ -1,0 +1,205 @@
+"""The CLI as a user runs it: bad input gives one line and exit 2, never a traceback; JSON is a stable contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from memcalc.cost.estimate import SCHEMA_VERSION, Estimate
+from tests.conftest import cli, cli_json
+
+BAD_INPUTS = [
+    (["--params", "banana"], "--params 'banana'"),
+    (["--params", "7B", "--gpus", "0"], "--gpus 0"),
+    (["--model", "llama-2-7b", "--tp", "3"], "--tp 3"),
+    (["--model", "llama-2-7b", "--gpus", "64", "--tp", "8", "--pp", "16"], "--gpus 64"),
+    (["--params", "7B", "--zero", "4"], "--zero 4"),
+    (["--model", "lama-2-7b"], "llama-2-7b"),  # suggests the closest name
+    (["--model", "llama-2-7b", "--gpu", "h1000"], "--gpu 'h1000'"),
+    (["--model", "llama-2-7b", "--precision", "fp64"], "--precision 'fp64'"),
+    (["--model", "llama-2-7b", "--optimizer", "adagrad"], "--optimizer 'adagrad'"),
+    (["--model", "llama-2-7b", "--profile", "jax"], "--profile 'jax'"),
+    (["--model", "llama-2-7b", "--pp", "64"], "--pp 64"),
+    (["--model", "llama-2-7b", "--cp", "3"], "--cp 3"),
+    (["--model", "llama-2-7b", "--ep", "2"], "--ep 2"),
+    (["--model", "llama-2-7b", "--global-batch", "7", "--gpus", "2"], "--global-batch 7"),
+    (["--model", "llama-2-7b", "--vpp", "2"], "--vpp"),
+    (["--model", "llama-2-7b", "--units", "MB"], "--units 'MB'"),
+    (["--model", "llama-2-7b", "--stage", "middle"], "--stage 'middle'"),
+    (["--model", "llama-2-7b", "--memory", "lots"], "--memory 'lots'"),
+    (["--hidden", "4096"], "--layers"),
+    (["--params", "-7B"], "--params"),
+    (["--model", "llama-2-7b", "--offload", "params", "--zero", "2"], "--offload params"),
+    (["--model", "llama-2-7b", "--mfu", "1.5"], "--mfu"),
+    (["--model", "llama-2-7b", "--gpus", "abc"], "--gpus"),
+    (["--model", "llama-2-7b", "--order", "tp,pp,dp"], "--order"),
+]
+
+
+@pytest.mark.parametrize("args,names", BAD_INPUTS)
+def test_bad_input_is_one_line_exit_2(args, names):
+    code, out, err = cli("estimate", *args)
+    assert code == 2, (args, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("memcalc: error: ")
+    assert names in lines[0]
+    assert "Traceback" not in err + out
+
+
+def test_bad_config_files(tmp_path):
+    notjson = tmp_path / "config.json"
+    notjson.write_text("{ this is not json")
+    code, _, err = cli("estimate", "--model", str(notjson))
+    assert code == 2 and "not valid JSON" in err and len(err.strip().splitlines()) == 1
+    nohidden = tmp_path / "c2.json"
+    nohidden.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}))
+    code, _, err = cli("estimate", "--model", str(nohidden))
+    assert code == 2 and "hidden_size" in err
+    badtoml = tmp_path / "m.toml"
+    badtoml.write_text("hidden = [")
+    code, _, err = cli("estimate", "--model", str(badtoml))
+    assert code == 2 and "not valid TOML" in err
+
+
+def test_hf_config_json_llama(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000, "hidden_act": "silu",
+           "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    d = cli_json("estimate", "--model", str(p))
+    assert d["inputs"]["model"]["total_params"] == 6_738_415_616
+
+
+def test_hf_config_json_gpt2(tmp_path):
+    cfg = {"model_type": "gpt2", "n_embd": 1600, "n_layer": 48, "n_head": 25, "vocab_size": 50257,
+           "n_positions": 1024, "activation_function": "gelu_new"}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    d = cli_json("estimate", "--model", str(p))
+    assert d["inputs"]["model"]["total_params"] == 1_557_611_200
+
+
+def test_preset_toml_file(tmp_path):
+    p = tmp_path / "tiny.toml"
+    p.write_text('hidden = 64\nlayers = 2\nheads = 4\nffn = 256\nvocab = 1000\n')
+    d = cli_json("estimate", "--model", str(p))
+    # 2 layers x (4*64*64 attn + 3*64*256 mlp + 2*64 norms) + 1000*64 emb + 64 final norm + 1000*64 head
+    assert d["inputs"]["model"]["total_params"] == 2 * (16384 + 49152 + 128) + 64000 + 64 + 64000
+
+
+def test_aliases_and_case():
+    a = cli_json("estimate", "--model", "Llama-2-7B", "--gpu", "H100")
+    b = cli_json("estimate", "--model", "llama2-7b", "--gpu", "h100-sxm-80gb")
+    assert a["memory"] == b["memory"]
+
+
+def test_params_alone_names_the_assumed_shape():
+    code, out, _ = cli("estimate", "--params", "7B", "--zero", "3", "--gpus", "64")
+    assert code == 0
+    assert "assume the llama-2-7b shape" in " ".join(out.split())
+    d = cli_json("estimate", "--params", "7B")
+    assert d["inputs"]["model"]["assumed_shape"] == "llama-2-7b"
+    assert d["inputs"]["model"]["total_params"] == 7_000_000_000
+
+
+def test_does_not_fit_is_a_result_and_check_gates():
+    code, out, _ = cli("estimate", "--model", "llama-2-70b", "--gpus", "1")
+    assert code == 0 and "DOES NOT FIT" in out
+    code, _, _ = cli("estimate", "--model", "llama-2-70b", "--gpus", "1", "--check")
+    assert code == 1
+    code, _, _ = cli("estimate", "--model", "gpt2", "--check")
+    assert code == 0
+
+
+def test_json_contract_and_round_trip():
+    d = cli_json("estimate", "--model", "llama-2-7b", "--zero", "3", "--gpus", "64")
+    assert d["schema_version"] == SCHEMA_VERSION
+    mem = d["memory"]
+    for key in ("params", "grads", "optimizer", "activations", "buffers", "fragmentation", "runtime"):
+        assert isinstance(mem["components"][key], int) and mem["components"][key] >= 0
+    for key in ("peak_bytes", "peak_phase", "worst_rank", "capacity_bytes", "fits"):
+        assert key in mem
+    assert sum(mem["components"].values()) == mem["peak_bytes"]
+    est = Estimate.model_validate(d)
+    assert json.loads(est.model_dump_json()) == d
+    # every resolved input is explicit
+    assert d["inputs"]["parallel"]["dp"] == 64
+    assert d["inputs"]["recipe"]["param_dtype"] == "fp32"
+
+
+def test_units_gb_vs_gib():
+    _, gib, _ = cli("estimate", "--model", "gpt2", "--units", "GiB")
+    _, gb, _ = cli("estimate", "--model", "gpt2", "--units", "GB")
+    assert " GiB" in gib and " GB" in gb
+
+
+def test_explain_shows_formulas():
+    code, out, _ = cli("estimate", "--model", "llama-2-7b", "--zero", "1", "--gpus", "8", "--explain")
+    assert code == 0
+    assert "N = 6,738,415,616 parameters" in out
+    assert "/ 8" in out
+
+
+def test_presets_list_and_show():
+    code, out, _ = cli("presets")
+    assert code == 0 and "llama-2-7b" in out and "h100-sxm-80gb" in out
+    code, out, _ = cli("presets", "show", "llama-2-7b", "--json")
+    d = json.loads(out)
+    assert d["derived"]["total_params"] == 6_738_415_616
+    code, _, err = cli("presets", "show", "nonesuch")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_python_dash_m_and_no_torch_import():
+    code = ("import sys, runpy; sys.argv=['memcalc','estimate','--params','7B','--json'];"
+            "\ntry:\n runpy.run_module('memcalc', run_name='__main__')\nexcept SystemExit: pass\n"
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'estimate imported torch/numpy'")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["schema_version"] == SCHEMA_VERSION
+
+
+_FLAG_VALUES = {
+    "--model": st.sampled_from(["llama-2-7b", "gpt2", "mixtral-8x7b", "llama-2-70b", "nope", "x/y.json"]),
+    "--params": st.sampled_from(["7B", "1.5e9", "banana", "0", "175B", "1e30"]),
+    "--gpus": st.sampled_from(["1", "8", "64", "0", "-1", "3", "abc"]),
+    "--tp": st.sampled_from(["1", "2", "3", "8", "0"]),
+    "--pp": st.sampled_from(["1", "2", "4", "7", "100"]),
+    "--cp": st.sampled_from(["1", "2", "5"]),
+    "--ep": st.sampled_from(["1", "2", "8"]),
+    "--vpp": st.sampled_from(["1", "2", "3"]),
+    "--zero": st.sampled_from(["0", "1", "2", "3", "4"]),
+    "--micro-batch": st.sampled_from(["1", "4", "0"]),
+    "--global-batch": st.sampled_from(["8", "12", "1024"]),
+    "--seq": st.sampled_from(["2048", "4096", "1", "0"]),
+    "--precision": st.sampled_from(["bf16", "fp16", "fp32", "fp8", "int4"]),
+    "--optimizer": st.sampled_from(["adamw", "sgd", "adafactor", "adam-8bit", "foo"]),
+    "--recompute": st.sampled_from(["none", "selective", "full", "some"]),
+    "--profile": st.sampled_from(["torch", "megatron", "deepspeed", "jax"]),
+    "--offload": st.sampled_from(["none", "optimizer", "params"]),
+    "--schedule": st.sampled_from(["1f1b", "gpipe", "interleaved", "zb"]),
+    "--gpu": st.sampled_from(["h100", "a100-40gb", "v100-32gb", "tpu"]),
+    "--stage": st.sampled_from(["first", "last", "0", "9"]),
+    "--fragmentation": st.sampled_from(["0.1", "1.5"]),
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(sorted(_FLAG_VALUES)), st.none(), max_size=7).flatmap(
+    lambda d: st.fixed_dictionaries({k: _FLAG_VALUES[k] for k in d})))
+def test_random_flags_never_traceback(flags):
+    args = [x for kv in flags.items() for x in kv]
+    code, out, err = cli("estimate", *args, "--json")
+    assert code in (0, 2), (args, err)
+    assert "Traceback" not in err
+    if code == 2:
+        assert len(err.strip().splitlines()) == 1, err
+    else:
+        assert json.loads(out)["schema_version"] == SCHEMA_VERSION

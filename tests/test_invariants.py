@@ -1,0 +1,67 @@
+"""Invariants as property tests: more sharding never raises per-GPU bytes; every figure is a non-negative int."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memcalc.cost.estimate import estimate
+from memcalc.cost.states import model_states
+from tests.conftest import run_of
+
+MODELS = st.sampled_from(["gpt2", "llama-2-7b", "llama-3.1-8b", "mixtral-8x7b", "qwen2.5-7b"])
+PROFILES = st.sampled_from(["torch", "megatron", "deepspeed"])
+PRECISIONS = st.sampled_from(["bf16", "fp16", "fp32"])
+OPTS = st.sampled_from(["adamw", "sgd", "lion", "adam-8bit", "adafactor"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(MODELS, PROFILES, PRECISIONS, OPTS, st.sampled_from([1, 2, 4, 8, 64]), st.sampled_from([1, 2]))
+def test_higher_zero_stage_never_raises_per_gpu_bytes(model, profile, precision, opt, dp, tp):
+    prev_states = prev_peak = None
+    for z in range(4):
+        r = run_of(model=model, profile=profile, precision=precision, optimizer=opt, zero=z, gpus=dp * tp, tp=tp)
+        states = model_states(r).total
+        peak = estimate(r, advice=False).memory.peak_bytes
+        if prev_states is not None:
+            assert states <= prev_states
+            assert peak <= prev_peak, (z, peak, prev_peak)
+        prev_states, prev_peak = states, peak
+
+
+@settings(max_examples=40, deadline=None)
+@given(MODELS, PROFILES, PRECISIONS, st.sampled_from([0, 1, 2, 3]))
+def test_more_gpus_in_the_shard_group_never_raise_per_gpu_bytes(model, profile, precision, zero):
+    prev = None
+    for dp in (1, 2, 4, 8, 16, 128):
+        r = run_of(model=model, profile=profile, precision=precision, zero=zero, gpus=dp)
+        states = model_states(r).total
+        if prev is not None:
+            assert states <= prev
+        prev = states
+
+
+@settings(max_examples=30, deadline=None)
+@given(MODELS, PROFILES, PRECISIONS, OPTS, st.sampled_from([0, 1, 2, 3]), st.sampled_from([1, 2, 4]),
+       st.sampled_from(["none", "optimizer"]))
+def test_components_are_non_negative_ints(model, profile, precision, opt, zero, pp, offload):
+    if offload != "none" and zero == 0:
+        zero = 1
+    r = run_of(model=model, profile=profile, precision=precision, optimizer=opt, zero=zero, pp=pp, gpus=pp * 2,
+               offload=offload)
+    est = estimate(r, advice=False)
+    for v in est.memory.components.values():
+        assert isinstance(v, int) and v >= 0
+    for v in est.memory.model_states_detail.values():
+        assert isinstance(v, int) and v >= 0
+    assert sum(est.memory.components.values()) == est.memory.peak_bytes
+    for s in est.memory.stages:
+        assert s.peak_bytes <= est.memory.capacity_bytes - est.memory.headroom_bytes
+
+
+def test_offload_moves_bytes_to_cpu_not_away():
+    a = model_states(run_of(model="llama-2-7b", zero=3, gpus=8, profile="deepspeed", precision="fp16"))
+    b = model_states(run_of(model="llama-2-7b", zero=3, gpus=8, profile="deepspeed", precision="fp16",
+                            offload="optimizer"))
+    assert b.total < a.total
+    assert a.total == b.total + b.cpu
