@@ -29,7 +29,7 @@ Schedule = Literal["1f1b", "interleaved", "gpipe"]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
 
 class MoESpec(_Frozen):

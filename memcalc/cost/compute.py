@@ -1,15 +1,291 @@
-"""FLOPs and step time (placeholder until the compute model lands)."""
+"""FLOPs, step time, tokens/s and MFU. DESIGN.md section 6; derivations and sources in docs/methodology-comm.md.
+
+FLOPs are counted from the layer shapes in memcalc/cost/params.py (`matrix_shapes`), never from a blended 6N:
+- matmuls: 2 FLOPs per weight element per token in the forward pass (one multiply-add), for every weight matrix a
+  token passes through: q, k, v (GQA-sized), o, the MLP (2 or 3 matrices), for MoE the router plus `top_k` routed
+  and the shared experts (only the active experts), and the LM head (2*h*V). The embedding lookup is not a matmul.
+  Norms, biases, softmax and the loss are ignored (well under 1%).
+- attention core: QK^T and AV, 2*s*(a*d) FLOPs each per token per layer in the forward pass, 4*s*a*d in all,
+  counted over the full s x s square as in Narayanan et al. 2021 (sec. 5.1) and PaLM (Chowdhery et al. 2022,
+  appendix B), even though causal kernels skip half of it.
+- backward = 2 x forward (Kaplan et al. 2020 sec. 2.1; Narayanan et al. 2021 sec. 5.1): model FLOPs = 3 x forward.
+- recompute: full adds one more forward of the recomputed layers (Narayanan et al. 2021: 4 x forward, the
+  `96 B s l h^2 (1 + s/(6h) + V/(16 l h))` formula); selective adds the attention-core forward of those layers
+  (Korthikanti et al. 2022 sec. 5).
+For a GPT layer (MHA, GELU MLP with ffn = 4h) this reproduces Narayanan's formula exactly (tests/test_compute.py).
+
+Time (DESIGN section 6): compute = FLOPs incl. recompute / (gpus * peak * assumed efficiency), where the assumed
+efficiency (`training.mfu`, else `hardware.default_mfu`) is the fraction of peak the kernels reach while busy;
++ pipeline bubble (pp-1)/(vpp*m) of the compute time (Narayanan et al. 2021 sec. 2.2); + the communication that
+does not overlap (memcalc/cost/comm.py `exposed_comm_seconds`). The achieved MFU is model FLOPs (no recompute)
+/ (step time * peak * gpus) (PaLM appendix B).
+
+Every numeric layout field may be a numpy array (planner bulk mode): only arithmetic and memcalc.xp helpers are
+applied to them, and FLOPs are carried as floats before multiplying by the token count (int64 would overflow).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from memcalc.cost.params import matrix_shapes, stage_layers
+from memcalc.errors import InputError
 from memcalc.specs import Run
+from memcalc.xp import imin
+
+Num = Any
+
+
+# ---------------------------------------------------------------------------------------------------- hardware
+
+
+def peak_flops_per_gpu(run: Run) -> float:
+    """Dense peak FLOP/s of one GPU for the run's matmul dtype: `hardware.flops[precision]` (fp8 recipes use the
+    fp8 figure), else the compute dtype's, else (fp32 training) the tf32 tensor-core figure; 0.0 when unknown."""
+    f = run.hardware.flops
+    for key in (run.training.precision, run.recipe.compute_dtype, "tf32" if run.recipe.compute_dtype == "fp32" else ""):
+        if key and f.get(key, 0.0) > 0:
+            return float(f[key])
+    return 0.0
+
+
+def assumed_mfu(run: Run) -> float:
+    """Fraction of peak the kernels reach while computing: `training.mfu`, else the GPU preset's default."""
+    return float(run.training.mfu if run.training.mfu is not None else run.hardware.default_mfu)
+
+
+def _rate(run: Run) -> float:
+    """Sustained FLOP/s of one GPU while computing (0.0 when the peak is unknown)."""
+    return peak_flops_per_gpu(run) * assumed_mfu(run)
+
+
+# ---------------------------------------------------------------------------------------------------- FLOPs
+
+
+def matmul_weights_per_token(run: Run) -> int:
+    """Weight elements of one layer's matmuls that one token passes through (whole model, no TP split).
+    `matrix_shapes` lists q, k+v, o (attention) then the MLP matrices; for MoE the MLP entries are one expert."""
+    m = run.model
+    shapes = matrix_shapes(m, 1)
+    attn = sum(r * c * k for r, c, k in shapes[:3])
+    mlp = sum(r * c * k for r, c, k in shapes[3:])
+    if m.moe is not None:
+        # router (h x E) + the top-k routed experts + the shared experts (Fedus et al. 2021; Mixtral/DeepSeek-MoE)
+        mlp = m.hidden * m.moe.experts + (m.moe.top_k + m.moe.shared_experts) * mlp
+    return attn + mlp
+
+
+def attention_core_flops_per_token(run: Run) -> int:
+    """QK^T + AV of one layer, forward, per token: 2*s*(a*d) each (Narayanan et al. 2021 sec. 5.1)."""
+    m = run.model
+    return 4 * run.seq * m.heads * m.head_dim
+
+
+def layer_forward_flops_per_token(run: Run) -> int:
+    return 2 * matmul_weights_per_token(run) + attention_core_flops_per_token(run)
+
+
+def head_forward_flops_per_token(run: Run) -> int:
+    """LM head matmul: 2*h*V (the unpadded vocabulary: model FLOPs, not padding)."""
+    return 2 * run.model.hidden * run.model.vocab
+
+
+def forward_flops_per_token(run: Run) -> int:
+    return run.model.layers * layer_forward_flops_per_token(run) + head_forward_flops_per_token(run)
+
+
+def model_flops_per_token(run: Run) -> int:
+    """Forward + backward (backward = 2 x forward), no recompute: the numerator of MFU."""
+    return 3 * forward_flops_per_token(run)
+
+
+def recomputed_layers(run: Run) -> Num:
+    """Layers whose forward is replayed in backward, summed over pipeline stages: all of them, or with
+    `recompute_layers = k` the first k layers of every stage (Megatron `--recompute-method block`)."""
+    if run.training.recompute == "none":
+        return 0 * run.pp
+    k = run.training.recompute_layers
+    if k is None:
+        return run.model.layers + 0 * run.pp
+    m, pp = run.model, run.pp
+    base = m.layers // pp
+    extra = m.layers % pp  # the first `extra` stages hold base + 1 layers (params.stage_layers)
+    return extra * imin(k, base + 1) + (pp - extra) * imin(k, base)
+
+
+def stage_recomputed_layers(run: Run, stage: Num) -> Num:
+    """Recomputed layers of one pipeline stage (used by the TP/CP/EP collective counts)."""
+    n = stage_layers(run.model, run.pp, stage)
+    if run.training.recompute == "none":
+        return 0 * n
+    k = run.training.recompute_layers
+    return n if k is None else imin(k, n)
+
+
+def recompute_flops_per_token(run: Run) -> Num:
+    """Extra forward work in backward: full = a whole layer forward, selective = the attention core forward."""
+    if run.training.recompute == "full":
+        per_layer = layer_forward_flops_per_token(run)
+    elif run.training.recompute == "selective":
+        per_layer = attention_core_flops_per_token(run)
+    else:
+        per_layer = 0
+    return recomputed_layers(run) * per_layer
+
+
+def tokens_per_step(run: Run) -> Num:
+    return run.global_batch * run.seq
+
+
+def model_flops_per_step(run: Run) -> Num:
+    """6N-style model FLOPs of one optimizer step, without recompute (float)."""
+    return tokens_per_step(run) * (model_flops_per_token(run) * 1.0)
+
+
+def flops_per_step(run: Run) -> Num:
+    """FLOPs executed in one optimizer step, including recompute (float)."""
+    return tokens_per_step(run) * ((model_flops_per_token(run) + recompute_flops_per_token(run)) * 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------- time
+
+
+def compute_seconds(run: Run) -> Num:
+    """Busy compute time of one GPU per step: FLOPs incl. recompute spread evenly over all GPUs, at peak times
+    the assumed efficiency. Stage imbalance (LM head on the last stage) is not modelled separately."""
+    rate = _rate(run)
+    if rate <= 0:
+        return 0.0 * run.gpus
+    return flops_per_step(run) / (run.gpus * rate)
+
+
+def bubble_seconds(run: Run) -> Num:
+    """Pipeline fill and drain: (pp-1)/(vpp*m) of the compute time, m = micro-batches per step
+    (Narayanan et al. 2021 sec. 2.2.1 for 1F1B and GPipe, sec. 2.2.2 for the interleaved schedule)."""
+    return compute_seconds(run) * (run.pp - 1) / (run.vpp * run.grad_accum)
+
+
+def overlap_windows(run: Run) -> dict[str, Num]:
+    """Compute time per step (seconds, one GPU) that each kind of overlapped collective can hide behind:
+    fwd / bwd: the forward / backward of all micro-batches; fwd_first / bwd_last: of one micro-batch (the first
+    forward after the optimizer step, the last backward before it); attn: the attention core (fwd + bwd +
+    recompute); compute: all compute (TP overlap). All zero when the peak FLOP/s is unknown."""
+    rate = _rate(run)
+    zero = 0.0 * run.gpus
+    if rate <= 0:
+        return {k: zero for k in ("fwd", "bwd", "fwd_first", "bwd_last", "attn", "compute")}
+    tokens = tokens_per_step(run)
+    per_gpu = run.gpus * rate
+    fwd = tokens * (forward_flops_per_token(run) * 1.0) / per_gpu
+    bwd = tokens * ((2 * forward_flops_per_token(run) + recompute_flops_per_token(run)) * 1.0) / per_gpu
+    attn_tok = 3 * run.model.layers * attention_core_flops_per_token(run) + recomputed_layers(run) * (
+        attention_core_flops_per_token(run)
+    )
+    attn = tokens * (attn_tok * 1.0) / per_gpu
+    return {
+        "fwd": fwd,
+        "bwd": bwd,
+        "fwd_first": fwd / run.grad_accum,
+        "bwd_last": bwd / run.grad_accum,
+        "attn": attn,
+        "compute": compute_seconds(run),
+    }
+
+
+def _require_peak(run: Run) -> None:
+    if peak_flops_per_gpu(run) <= 0:
+        raise InputError(
+            f"hardware {run.hardware.name!r} has no peak FLOP/s for {run.recipe.compute_dtype}; "
+            f"set flops.{run.recipe.compute_dtype} (known: {', '.join(sorted(run.hardware.flops)) or 'none'})"
+        )
+
+
+def exposed_comm_seconds(run: Run) -> Num:
+    """Communication per step that does not overlap with compute (worst rank); see comm.py."""
+    from memcalc.cost import comm
+
+    return comm.exposed_comm_seconds(run)
+
+
+def comm_seconds_per_step(run: Run) -> Num:
+    from memcalc.cost import comm
+
+    return comm.comm_seconds_per_step(run)
+
+
+def step_seconds(run: Run) -> Num:
+    """compute + pipeline bubble + exposed communication (DESIGN section 6)."""
+    _require_peak(run)
+    return compute_seconds(run) + bubble_seconds(run) + exposed_comm_seconds(run)
+
+
+def tokens_per_second(run: Run) -> Num:
+    return tokens_per_step(run) / step_seconds(run)
+
+
+def achieved_mfu(run: Run) -> Num:
+    """Model FLOPs (no recompute) / (step time * peak * gpus) (Chowdhery et al. 2022, appendix B)."""
+    return model_flops_per_step(run) / (step_seconds(run) * peak_flops_per_gpu(run) * run.gpus)
+
+
+# ---------------------------------------------------------------------------------------------------- output
+
+
+def compute_notes(run: Run) -> list[str]:
+    m, t = run.model, run.training
+    notes = [
+        "FLOPs: 2 per matmul weight per token forward (attention q/k/v/o, MLP"
+        + (", router + top-k and shared experts" if m.moe is not None else "")
+        + ", LM head) + attention core 4*s*heads*head_dim per token per layer; backward = 2 x forward",
+        f"compute time: FLOPs incl. recompute / (gpus x peak x assumed efficiency {assumed_mfu(run):g}); "
+        "stage imbalance is not modelled separately",
+        "pipeline bubble: (pp-1)/(vpp*micro-batches) of the compute time",
+        "exposed communication: overlapped collectives hide behind their compute window (see communication); "
+        "TP collectives are exposed" + (" (here overlapped: tp_overlap)" if run.tp_overlap else "") +
+        ", pipeline send/recv is on the critical path",
+    ]
+    if t.recompute != "none":
+        notes.append(f"recompute {t.recompute}: +{'one layer forward' if t.recompute == 'full' else 'attention core forward'}"
+                     " per recomputed layer; not counted in the achieved MFU")
+    if t.precision == "fp8" and "fp8" in run.hardware.flops:
+        notes.append("fp8: all matmuls timed at the fp8 peak")
+    return notes
 
 
 def compute_out(run: Run, colls: list[Any]) -> Any:
+    """The `compute` section of the Estimate (scalar runs)."""
     from memcalc.cost.estimate import Compute
 
-    return Compute(modelled=False, flops_per_step=0.0, flops_per_token=0.0, tokens_per_step=run.global_batch * run.seq,
-                   compute_seconds=0.0, bubble_seconds=0.0, exposed_comm_seconds=0.0, step_seconds=0.0,
-                   tokens_per_second=0.0, mfu=0.0, assumed_mfu=run.training.mfu or run.hardware.default_mfu)
+    peak = peak_flops_per_gpu(run)
+    tokens = int(tokens_per_step(run))
+    flops = float(flops_per_step(run))
+    model_flops = float(model_flops_per_step(run))
+    if peak <= 0:
+        return Compute(
+            modelled=False, flops_per_step=flops, flops_per_token=flops / tokens, tokens_per_step=tokens,
+            compute_seconds=0.0, bubble_seconds=0.0, exposed_comm_seconds=float(exposed_comm_seconds(run)),
+            step_seconds=0.0, tokens_per_second=0.0, mfu=0.0, assumed_mfu=assumed_mfu(run),
+            model_flops_per_step=model_flops, peak_flops_per_gpu=0.0,
+            notes=[f"no peak FLOP/s for {run.recipe.compute_dtype} in hardware {run.hardware.name!r}: "
+                   "step time not modelled"],
+        )
+    comp = float(compute_seconds(run))
+    bubble = float(bubble_seconds(run))
+    exposed = float(exposed_comm_seconds(run))
+    step = comp + bubble + exposed
+    return Compute(
+        modelled=True,
+        flops_per_step=flops,
+        flops_per_token=flops / tokens,
+        tokens_per_step=tokens,
+        compute_seconds=comp,
+        bubble_seconds=bubble,
+        exposed_comm_seconds=exposed,
+        step_seconds=step,
+        tokens_per_second=tokens / step,
+        mfu=model_flops / (step * peak * run.gpus),
+        assumed_mfu=assumed_mfu(run),
+        model_flops_per_step=model_flops,
+        peak_flops_per_gpu=peak,
+        notes=compute_notes(run),
+    )

@@ -20,7 +20,7 @@ SCHEMA_VERSION = "1.0"
 
 
 class _Out(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
 
 class PhaseOut(_Out):
