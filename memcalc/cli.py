@@ -31,6 +31,7 @@ _T = "Training"
 _P = "Parallelism"
 _H = "Hardware"
 _O = "Output"
+_F = "Fine-tuning"
 
 
 def _opt(*names: str, help: str, panel: str, **kw: Any) -> Any:
@@ -74,6 +75,23 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                       "unallocated by the caching allocator (default: modelled).", panel=_T)),
     "mfu": (Optional[float], None, _opt("--mfu", help="Assumed model-FLOPs utilisation (default: the GPU's).",
             panel=_T)),
+    "lora_rank": (Optional[int], None, _opt("--lora-rank", help="LoRA rank: base weights frozen, adapters train.",
+                  panel=_F)),
+    "lora_targets": (str, "attn", _opt("--lora-targets", help="attn (q,k,v,o) | mlp | all.", panel=_F)),
+    "lora_alpha": (Optional[float], None, _opt("--lora-alpha", help="Accepted; scales the update, no memory effect.",
+                   panel=_F)),
+    "base_dtype": (Optional[str], None, _opt("--base-dtype", help="Frozen base weights: nf4 | int8 | fp8 | bf16 | "
+                   "fp16 | fp32 (QLoRA: nf4).", panel=_F)),
+    "double_quant": (bool, True, _opt("--double-quant/--no-double-quant", help="QLoRA double quantization of the "
+                     "nf4 scales.", panel=_F)),
+    "freeze": (Optional[str], None, _opt("--freeze", help="Freeze parts: embeddings, head, layers:K (comma-separated).",
+               panel=_F)),
+    "base_lr": (Optional[float], None, _opt("--base-lr", help="Reference learning rate (with --base-batch) for "
+                "LR scaling guidance.", panel=_F)),
+    "base_batch": (Optional[int], None, _opt("--base-batch", help="Reference global batch for --base-lr.",
+                   panel=_F)),
+    "base_warmup_steps": (Optional[int], None, _opt("--base-warmup-steps", help="Reference warm-up steps, scaled "
+                          "to the same number of samples.", panel=_F)),
     "gpus": (Optional[int], None, _opt("--gpus", "-g", help="Total GPUs (default: tp*pp*cp*dp).", panel=_P)),
     "dp": (Optional[int], None, _opt("--dp", help="Data-parallel degree (default: gpus / (tp*pp*cp)).", panel=_P)),
     "tp": (int, 1, _opt("--tp", help="Tensor-parallel degree.", panel=_P)),
@@ -89,6 +107,8 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "schedule": (Optional[str], None, _opt("--schedule", help="Pipeline schedule: 1f1b | interleaved | gpipe.",
                  panel=_P)),
     "order": (str, "tp,cp,pp,dp", _opt("--order", help="Rank placement, innermost first.", panel=_P)),
+    "dp_mode": (str, "collective", _opt("--dp-mode", help="collective (DDP/ZeRO) | ps (parameter server) | "
+                "dataparallel (torch.nn.DataParallel).", panel=_P)),
     "tp_overlap": (bool, False, _opt("--tp-overlap/--no-tp-overlap", help="TP communication overlapped with "
                    "compute.", panel=_P)),
     "profile": (str, "torch", _opt("--profile", help="Framework whose buffers and dtypes to model: torch | "

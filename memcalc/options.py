@@ -34,6 +34,10 @@ FLAG_OF = {
     "attention": "--attention", "loss": "--loss", "dropout": "--dropout", "fragmentation": "--fragmentation",
     "mfu": "--mfu", "gpus": "--gpus", "dp": "--dp", "tp": "--tp", "pp": "--pp", "vpp": "--vpp", "cp": "--cp",
     "ep": "--ep", "zero": "--zero", "offload": "--offload", "schedule": "--schedule",
+    "mlp": "--mlp", "norm": "--norm", "tied_embeddings": "--tied-embeddings", "positions": "--positions",
+    "bias": "--bias", "qkv_bias": "--qkv-bias", "max_positions": "--max-positions",
+    "deepspeed_config": "--deepspeed-config", "megatron_args": "--megatron-args",
+    "torchtitan_config": "--torchtitan-config",
 }
 
 CHOICES = {
@@ -44,9 +48,15 @@ CHOICES = {
     "attention": ("flash", "eager"),
     "loss": ("full", "chunked"),
     "offload": ("none", "optimizer", "params"),
-    "schedule": ("1f1b", "interleaved", "gpipe"),
+    "schedule": ("1f1b", "interleaved", "gpipe", "pipedream", "pipedream-2bw"),
     "profile": PROFILES,
     "units": ("GiB", "GB"),
+    "mlp": ("swiglu", "gelu"),
+    "norm": ("rmsnorm", "layernorm"),
+    "positions": ("rotary", "learned"),
+    "lora_targets": ("attn", "mlp", "all"),
+    "base_dtype": ("nf4", "int8", "fp8", "bf16", "fp16", "fp32"),
+    "dp_mode": ("collective", "ps", "dataparallel"),
 }
 
 
@@ -82,6 +92,14 @@ class RunOptions:
     kv_heads: int | None = None
     ffn: int | None = None
     vocab: int | None = None
+    # model-shape choices (None = the preset's; for a custom model: ModelSpec's defaults)
+    mlp: str | None = None
+    norm: str | None = None
+    tied_embeddings: bool | None = None
+    positions: str | None = None
+    bias: bool | None = None  # biases on every linear layer (Megatron --add-bias-linear): sets qkv_bias too
+    qkv_bias: bool | None = None
+    max_positions: int | None = None
     seq: int = 4096
     micro_batch: int = 1
     global_batch: int | None = None
@@ -98,6 +116,16 @@ class RunOptions:
     foreach: bool | None = None
     fragmentation: float | None = None
     mfu: float | None = None
+    lora_rank: int | None = None
+    lora_targets: str = "attn"
+    lora_alpha: float | None = None
+    base_dtype: str | None = None
+    double_quant: bool = True
+    freeze: str | None = None
+    base_lr: float | None = None
+    base_batch: int | None = None
+    base_warmup_steps: int | None = None
+    dp_mode: str = "collective"
     gpus: int | None = None
     dp: int | None = None
     tp: int = 1
@@ -119,6 +147,37 @@ class RunOptions:
     latency: float | None = None
     memory: str | None = None
     runtime_overhead: str | None = None
+    # import a framework's own configuration (memcalc/importers); explicit flags win over imported values
+    deepspeed_config: str | None = None
+    megatron_args: str | None = None
+    torchtitan_config: str | None = None
+    # not a flag: what the import did (memcalc.importers.ImportReport), set by memcalc.importers.apply_imports
+    import_report: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+
+IMPORT_FIELDS = ("deepspeed_config", "megatron_args", "torchtitan_config")
+SHAPE_CHOICE_FIELDS = ("mlp", "norm", "tied_embeddings", "positions", "bias", "qkv_bias", "max_positions")
+
+
+def _shape_choices(o: RunOptions) -> dict[str, Any]:
+    """ModelSpec fields set by the shape-choice flags (--mlp, --norm, --tied-embeddings, --positions, --bias,
+    --qkv-bias, --max-positions)."""
+    out: dict[str, Any] = {}
+    for field in ("mlp", "norm", "positions"):
+        v = check_choice(field, getattr(o, field))
+        if v is not None:
+            out[field] = v
+    if o.tied_embeddings is not None:
+        out["tied_embeddings"] = o.tied_embeddings
+    if o.bias is not None:
+        out["linear_bias"] = o.bias
+        out["qkv_bias"] = o.bias
+    if o.qkv_bias is not None:
+        out["qkv_bias"] = o.qkv_bias
+    if o.max_positions is not None:
+        check_positive("--max-positions", o.max_positions)
+        out["max_positions"] = o.max_positions
+    return out
 
 
 def build_model(o: RunOptions) -> tuple[ModelSpec, str | None]:
@@ -140,8 +199,11 @@ def build_model(o: RunOptions) -> tuple[ModelSpec, str | None]:
     overrides = {k: v for k, v in overrides.items() if v is not None}
     for k, v in overrides.items():
         check_positive(FLAG_OF[k], v)
+    overrides.update(_shape_choices(o))
     if model is None:
         missing = [FLAG_OF[k] for k in ("layers", "hidden", "heads", "ffn", "vocab") if k not in overrides]
+        if overrides.get("positions") == "learned" and "max_positions" not in overrides:
+            overrides["max_positions"] = o.seq  # learned positions need a table: default to the sequence length
         if missing:
             raise InputError(
                 "give --model NAME|PATH, or --params N (e.g. 7B), or all of --layers --hidden --heads --ffn --vocab "
@@ -150,6 +212,8 @@ def build_model(o: RunOptions) -> tuple[ModelSpec, str | None]:
         data: dict[str, Any] = {"name": "custom", **overrides}
     else:
         data = model.model_dump()
+        if overrides.get("positions") == "learned" and not data.get("max_positions") and "max_positions" not in overrides:
+            overrides["max_positions"] = o.seq
         data.update(overrides)
         if "heads" in overrides and "kv_heads" not in overrides:
             data["kv_heads"] = overrides["heads"] if model.kv_heads == model.heads else model.kv_heads
@@ -203,9 +267,20 @@ def _spec_error(e: ValidationError) -> str:
     return validation_message(e)
 
 
+def _freeze_items(text: str | None) -> tuple[str, ...]:
+    if not text:
+        return ()
+    return tuple(x.strip().lower() for x in text.split(",") if x.strip())
+
+
 def build_run(o: RunOptions) -> Run:
+    if any(getattr(o, f) for f in IMPORT_FIELDS):
+        from memcalc.importers import apply_imports
+
+        o = apply_imports(o)  # explicit = every field that differs from its default
     profile = check_choice("profile", o.profile)
-    for field in ("precision", "grad_dtype", "optimizer", "recompute", "attention", "loss", "offload", "schedule"):
+    for field in ("precision", "grad_dtype", "optimizer", "recompute", "attention", "loss", "offload", "schedule",
+                  "lora_targets", "base_dtype", "dp_mode"):
         setattr(o, field, check_choice(field, getattr(o, field)))
     for flag, v in (("--gpus", o.gpus), ("--dp", o.dp), ("--tp", o.tp), ("--pp", o.pp), ("--vpp", o.vpp),
                     ("--cp", o.cp), ("--ep", o.ep), ("--seq", o.seq), ("--micro-batch", o.micro_batch),
@@ -214,6 +289,11 @@ def build_run(o: RunOptions) -> Run:
     if o.zero not in (0, 1, 2, 3):
         raise InputError(f"--zero {o.zero} is not a ZeRO stage; valid: 0, 1, 2, 3")
     check_positive("--recompute-layers", o.recompute_layers, minimum=0)
+    check_positive("--lora-rank", o.lora_rank)
+    check_positive("--base-batch", o.base_batch)
+    check_positive("--base-warmup-steps", o.base_warmup_steps, minimum=0)
+    if o.base_lr is not None and not o.base_lr > 0:
+        raise InputError(f"--base-lr {o.base_lr} must be positive")
     for flag, v, hi in (("--dropout", o.dropout, 1.0), ("--fragmentation", o.fragmentation, 1.0)):
         if v is not None and not 0.0 <= v < hi:
             raise InputError(f"{flag} {v} must be in [0, 1)")
@@ -227,10 +307,13 @@ def build_run(o: RunOptions) -> Run:
             precision=o.precision, master_weights=o.master_weights, grad_dtype=o.grad_dtype, optimizer=o.optimizer,
             recompute=o.recompute, recompute_layers=o.recompute_layers, attention=o.attention, loss=o.loss,
             dropout=o.dropout, foreach=o.foreach, fragmentation=o.fragmentation, mfu=o.mfu,
+            lora_rank=o.lora_rank, lora_targets=o.lora_targets, lora_alpha=o.lora_alpha, base_dtype=o.base_dtype,
+            double_quant=o.double_quant, freeze=_freeze_items(o.freeze), base_lr=o.base_lr, base_batch=o.base_batch,
+            base_warmup_steps=o.base_warmup_steps,
         )
         parallel = ParallelSpec(
             gpus=o.gpus, dp=o.dp, tp=o.tp, pp=o.pp, vpp=o.vpp, cp=o.cp, ep=o.ep, sp=o.sp, zero=o.zero,
-            offload=o.offload, schedule=o.schedule, order=o.order, tp_overlap=o.tp_overlap,
+            offload=o.offload, schedule=o.schedule, order=o.order, tp_overlap=o.tp_overlap, dp_mode=o.dp_mode,
         )
     except ValidationError as e:
         raise InputError(_spec_error(e)) from None

@@ -25,7 +25,9 @@ Optimizer = Literal["adam", "adamw", "sgd", "sgd-momentum", "adam-8bit", "adafac
 OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd", "sgd-momentum", "adam-8bit", "adafactor", "lion")
 Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "optimizer", "params"]
-Schedule = Literal["1f1b", "interleaved", "gpipe"]
+Schedule = Literal["1f1b", "interleaved", "gpipe", "pipedream", "pipedream-2bw"]
+BaseDtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "nf4"]
+DpMode = Literal["collective", "ps", "dataparallel"]
 
 
 class _Frozen(BaseModel):
@@ -110,6 +112,17 @@ class TrainingSpec(_Frozen):
     foreach: bool | None = None  # None: the profile's default optimizer implementation
     fragmentation: float | None = Field(default=None, ge=0.0, lt=1.0)  # None: the allocator model's figure
     mfu: float | None = Field(default=None, gt=0.0, le=1.0)  # None: the GPU preset's default
+    # fine-tuning (issue 7): LoRA adapters on frozen (optionally quantized) base weights, partial freezing
+    lora_rank: int | None = Field(default=None, ge=1)
+    lora_targets: Literal["attn", "mlp", "all"] = "attn"
+    lora_alpha: float | None = None  # accepted; it scales the update and does not change memory
+    base_dtype: BaseDtype | None = None  # storage of frozen base weights; None: the compute dtype
+    double_quant: bool = True  # QLoRA double quantization of the nf4 block scales
+    freeze: tuple[str, ...] = ()  # "embeddings", "head", "layers:K" (the first K layers)
+    # batch-size guidance: learning rate under linear / square-root scaling from a reference run
+    base_lr: float | None = Field(default=None, gt=0)
+    base_batch: int | None = Field(default=None, ge=1)
+    base_warmup_steps: int | None = Field(default=None, ge=0)
 
 
 class ParallelSpec(_Frozen):
@@ -126,6 +139,7 @@ class ParallelSpec(_Frozen):
     schedule: Schedule | None = None  # None: interleaved when vpp > 1, else 1f1b
     order: str = "tp,cp,pp,dp"  # rank placement, innermost first (DESIGN section 5)
     tp_overlap: bool = False  # TP collectives overlapped with compute (e.g. TE userbuffers)
+    dp_mode: DpMode = "collective"  # collective (DDP/ZeRO), ps (parameter server), dataparallel (torch DP)
 
 
 class HardwareSpec(_Frozen):
@@ -181,6 +195,7 @@ class Run:
     schedule: str
     order: tuple[str, ...]
     tp_overlap: bool
+    dp_mode: str
     # batch
     micro_batch: Any
     grad_accum: Any
@@ -345,6 +360,15 @@ def resolve(
         raise InputError("--schedule interleaved needs --vpp > 1")
     if schedule != "interleaved" and vpp > 1:
         raise InputError(f"--vpp {vpp} needs --schedule interleaved (got {schedule})")
+    _check_finetune(m, t)
+    if p.dp_mode != "collective":
+        what = "--dp-mode " + p.dp_mode
+        if tp * pp * cp * ep != 1 or p.zero:
+            raise InputError(f"{what} models plain data parallelism: use it with --tp/--pp/--cp/--ep 1 and --zero 0")
+        if profile != "torch" and p.dp_mode == "dataparallel":
+            raise InputError(f"{what} is torch.nn.DataParallel: use --profile torch")
+    if schedule.startswith("pipedream") and pp == 1:
+        raise InputError(f"--schedule {schedule} needs --pp > 1")
     sp = (profile == "megatron" and tp > 1) if p.sp is None else (p.sp and tp > 1)
     order = tuple(x.strip() for x in p.order.split(","))
     if sorted(order) != ["cp", "dp", "pp", "tp"]:
@@ -368,6 +392,7 @@ def resolve(
         schedule=schedule,
         order=order,
         tp_overlap=p.tp_overlap,
+        dp_mode=p.dp_mode,
         micro_batch=mb,
         grad_accum=ga,
         global_batch=mb * ga * dp,
@@ -375,6 +400,34 @@ def resolve(
         dropout=m.dropout if t.dropout is None else t.dropout,
         assumed_shape=assumed_shape,
     )
+
+
+QUANTIZED = ("nf4", "int8", "fp8")
+
+
+def freeze_layers(t: TrainingSpec) -> int:
+    """K from a `layers:K` freeze entry (0 when absent)."""
+    for item in t.freeze:
+        if item.startswith("layers:"):
+            return int(item.split(":", 1)[1])
+    return 0
+
+
+def _check_finetune(m: ModelSpec, t: TrainingSpec) -> None:
+    for item in t.freeze:
+        if item in ("embeddings", "head"):
+            continue
+        k = item.split(":", 1)[1] if item.startswith("layers:") else ""
+        if not k.isdigit() or not 0 < int(k) <= m.layers:
+            raise InputError(
+                f"--freeze {item!r} is not valid; valid: embeddings, head, layers:K with 1 <= K <= {m.layers}"
+            )
+    if t.base_dtype in QUANTIZED and t.lora_rank is None:
+        raise InputError(f"--base-dtype {t.base_dtype} quantizes frozen weights: add --lora-rank R (QLoRA)")
+    if t.lora_rank is not None and m.moe is not None and t.lora_targets != "attn":
+        raise InputError("--lora-targets mlp/all on a mixture-of-experts model is not modelled; use --lora-targets attn")
+    if (t.base_lr is None) != (t.base_batch is None):
+        raise InputError("--base-lr and --base-batch go together (the reference run's learning rate and batch)")
 
 
 def validation_message(err: ValidationError, prefix: str = "") -> str:

@@ -1,18 +1,588 @@
-"""Communication per step (placeholder until the communication model lands)."""
+"""Communication per optimizer step: every collective one GPU takes part in, its bytes and its time.
+DESIGN.md section 5; every formula's derivation and source is collected in docs/methodology-comm.md.
+
+Volume (bytes *sent by one GPU*), with S the full buffer of one call and n the group size, are the ring
+algorithms' figures, the bus-bandwidth factors of nccl-tests (NVIDIA/nccl-tests doc/PERFORMANCE.md):
+all-reduce 2(n-1)/n*S, reduce-scatter and all-gather (n-1)/n*S, all-to-all (n-1)/n*S, broadcast S (factor 1),
+send/recv S.
+
+Time of one call: latency * ring steps + volume / B_eff (Hockney alpha-beta model; ring steps 2(n-1) for
+all-reduce, n-1 for reduce-scatter / all-gather / all-to-all / broadcast, 1 for send/recv). B_eff is the
+intra-node bandwidth when the group's ranks lie in one node, else the per-GPU inter-node (NIC) bandwidth times the
+group's ranks per node (each node drives that many NICs in parallel; capped at the intra-node bandwidth); a
+send/recv pair crossing nodes gets one NIC; an all-to-all across nodes sends (n-k)/n of its buffer through the
+NIC (k = ranks per node). Placement: `run.order`, innermost first (default tp, cp, pp, dp, as Megatron's
+`RankGenerator`); a dimension X of size n_X and stride s_X (the product of the sizes inside it) has
+min(n_X, max(1, G // s_X)) of its ranks in one node of G GPUs (exact for power-of-two sizes).
+
+Which collectives run, per profile (sources next to each builder below):
+- data parallel (group dp x cp; expert parameters over dp x cp / ep): ZeRO-0 all-reduce once per step (no_sync
+  while accumulating); ZeRO-1 torch `ZeroRedundancyOptimizer` all-reduce + broadcast of the parameters,
+  megatron distributed optimizer / deepspeed reduce-scatter + all-gather once per step; ZeRO-2 reduce-scatter
+  every micro-batch (+ torch FSDP2 `reshard_after_forward=False`: one all-gather per micro-batch; megatron /
+  deepspeed: the all-gather once per step); ZeRO-3 all-gather in forward and again in backward + reduce-scatter,
+  every micro-batch (torch FSDP2: the root module stays unsharded after forward).
+- tensor parallel: megatron / deepspeed as Shoeybi et al. 2019 (sec. 3, Fig. 4): 2 all-reduces of s*b*h in
+  forward and 2 in backward per layer per micro-batch, with SP the same volume as all-gather + reduce-scatter
+  pairs (Korthikanti et al. 2022 sec. 4.2.2), +2 (one forward) under full recompute (ZeRO paper sec. 7.2.2);
+  torch DTensor with unfused q/k/v and gate/up, as measured (research/validation-findings.md): (2L+1) all-reduces
+  forward, (5L+1) backward (4L+1 with a GELU MLP), the logits all-gather, +1 per layer under full recompute.
+- pipeline: send/recv of s*b*h (/t with SP) per micro-batch per stage boundary, both directions, vpp times as
+  many with interleaving (Narayanan et al. 2021 sec. 2.2.2); the tied embedding / LM-head gradient all-reduce
+  between the first and last stage (Megatron `_allreduce_word_embedding_grads`).
+- context parallel: ring exchange of the local K/V chunk, (cp-1) steps per layer in forward, K/V and dK/dV in
+  backward (Transformer Engine `AttnFuncWithCPAndKVP2P`).
+- expert parallel: token all-to-all dispatch + combine per MoE layer, forward and backward (Lepikhin et al. 2020
+  GShard sec. 2; Megatron `MoEAlltoAllTokenDispatcher`).
+
+The worst rank is chosen among the first, the second and the last pipeline stage (the middle stages are alike):
+the one with the most exposed communication, then the most communication time.
+
+Array-polymorphic like the rest of the cost model: `comm_seconds_per_step` and `exposed_comm_seconds` accept runs
+whose layout fields are numpy arrays and agree exactly with the scalar `collectives()` (tests/test_comm.py).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from memcalc.specs import Run
+from memcalc.cost.compute import overlap_windows, stage_recomputed_layers
+from memcalc.cost.params import (
+    head_params,
+    largest_unit_params,
+    layer_params,
+    padded_vocab,
+    shape_params,
+    stage_layers,
+    stage_params,
+)
+from memcalc.specs import DTYPE_BYTES, Run
+from memcalc.xp import imax, imin, where
+
+Num = Any
+
+# torch DDP `bucket_cap_mb=25` (torch/nn/parallel/distributed.py)
+DDP_BUCKET_BYTES = 25 * 2**20
+# DeepSpeed `reduce_bucket_size` default 5e8 elements (deepspeed/runtime/zero/config.py)
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
+# Megatron-core DDP: bucket_size default max(40M, 1M * dp) parameters
+# (megatron/core/distributed/distributed_data_parallel_config.py)
+MEGATRON_BUCKET_MIN = 40_000_000
+
+# (numerator, denominator of the bus-bandwidth factor as a function of n, ring steps) per op
+OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "broadcast", "send/recv")
+WINDOWS = ("none", "fwd", "bwd", "fwd_first", "bwd_last", "attn", "compute")
 
 
-def collectives(run: Run) -> list[Any]:
-    return []
+@dataclasses.dataclass(frozen=True, slots=True)
+class Collective:
+    """One kind of collective on the worst rank over one optimizer step (scalar values)."""
+
+    op: str  # all-reduce | reduce-scatter | all-gather | all-to-all | broadcast | send/recv
+    group: str  # dp | tp | pp | cp | ep
+    group_size: int
+    dtype: str
+    bytes_per_call: int  # the full buffer S of one call
+    calls_per_micro_batch: float  # calls_per_step / micro-batches (fractional for once-per-step collectives)
+    calls_per_step: int
+    bytes_per_step: int  # bytes sent by one GPU per step (ring factors)
+    seconds_per_step: float
+    link: str  # intra-node | inter-node
+    overlapped: bool
+    note: str = ""
+    window: str = "none"  # the compute it overlaps with (see compute.overlap_windows)
 
 
-def communication_out(run: Run, colls: list[Any]) -> Any:
-    from memcalc.cost.estimate import Communication
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Term:
+    """A collective with array-capable numbers (internal)."""
 
-    return Communication(modelled=False, collectives=[], bytes_per_step=0, seconds_per_step=0.0,
-                         exposed_seconds_per_step=0.0)
+    op: str
+    group: str
+    dtype: str
+    n: Num  # group size
+    s: Num  # bytes per call
+    calls: Num  # per step (0 when inactive)
+    intra: Num  # bool
+    bw: Num  # effective bytes/s
+    window: str
+    tail: Num  # minimum exposed fraction (the last bucket / first unit), float in [0, 1]
+    note: str
+    per_mb: bool  # repeats every micro-batch
+
+    @property
+    def bytes_per_step(self) -> Num:
+        num, den = _factor(self.op, self.n)
+        return self.calls * self.s * num // den
+
+    def seconds(self, latency: float) -> Num:
+        return self.calls * _steps(self.op, self.n) * latency + self.bytes_per_step / self.bw
+
+
+def _factor(op: str, n: Num) -> tuple[Num, Num]:
+    """Bus-bandwidth factor as (numerator, denominator) (nccl-tests doc/PERFORMANCE.md)."""
+    if op == "all-reduce":
+        return 2 * (n - 1), n
+    if op in ("reduce-scatter", "all-gather", "all-to-all"):
+        return n - 1, n
+    return 1, 1  # broadcast, send/recv
+
+
+def _steps(op: str, n: Num) -> Num:
+    """Latency terms of one call: ring steps (Thakur et al. 2005; NCCL ring algorithms)."""
+    if op == "all-reduce":
+        return 2 * (n - 1)
+    if op == "send/recv":
+        return 1 + 0 * n
+    return n - 1
+
+
+# ---------------------------------------------------------------------------------------------------- placement
+
+
+def strides(run: Run) -> dict[str, Num]:
+    """Rank stride of each parallel dimension under `run.order` (innermost first)."""
+    sizes = {"tp": run.tp, "cp": run.cp, "pp": run.pp, "dp": run.dp}
+    out: dict[str, Num] = {}
+    stride: Num = 1
+    for dim in run.order:
+        out[dim] = stride
+        stride = stride * sizes[dim]
+    return out
+
+
+def ranks_per_node(run: Run, segments: list[tuple[Num, Num]]) -> Num:
+    """Ranks of a group in one node; the group spans the given (stride, size) segments of the rank space."""
+    g = run.hardware.gpus_per_node
+    k: Num = 1
+    for stride, size in segments:
+        k = k * imin(size, imax(1, g // stride))
+    return k
+
+
+def _bandwidth(run: Run, kind: str, n: Num, k: Num) -> tuple[Num, Num]:
+    """(intra-node?, effective bytes/s) for a group of n ranks with k per node. A missing (0) bandwidth is
+    treated as infinite: those collectives are timed by their latency alone (said in the notes)."""
+    hw = run.hardware
+    b_in = hw.intra_node_bytes_per_s if hw.intra_node_bytes_per_s > 0 else float("inf")
+    b_out = hw.inter_node_bytes_per_s if hw.inter_node_bytes_per_s > 0 else float("inf")
+    intra = k >= n
+    if kind == "ring":
+        inter_bw = imin(b_in, b_out * k)
+    elif kind == "a2a":
+        inter_bw = imin(b_in, b_out * (n - 1) / imax(n - k, 1))
+    else:  # one pair of ranks: one NIC each
+        inter_bw = imin(b_in, b_out + 0 * k)
+    return intra, where(intra, b_in + 0.0 * k, inter_bw)
+
+
+def _term(run: Run, op: str, group: str, dtype: str, n: Num, s: Num, calls: Num, segments: list[tuple[Num, Num]],
+          window: str = "none", tail: Num = 0.0, note: str = "", per_mb: bool = False, kind: str = "ring") -> _Term:
+    active = n > 1
+    calls = where(active, calls, 0 * calls)
+    k = ranks_per_node(run, segments)
+    intra, bw = _bandwidth(run, kind, n, k)
+    return _Term(op=op, group=group, dtype=dtype, n=n, s=s, calls=calls, intra=intra, bw=bw, window=window,
+                 tail=tail, note=note, per_mb=per_mb)
+
+
+def _tail(bucket_bytes: Num, s: Num) -> Num:
+    """Fraction of a buffer of S bytes that is the last (or first) bucket: cannot overlap."""
+    return imin(1.0, bucket_bytes / imax(s, 1))
+
+
+# ---------------------------------------------------------------------------------------------------- groups
+
+
+def _dp_segments(run: Run, st: dict[str, Num]) -> list[tuple[Num, Num]]:
+    return [(st["cp"], run.cp), (st["dp"], run.dp)]
+
+
+def _ep_split(run: Run, st: dict[str, Num]) -> tuple[list[tuple[Num, Num]], list[tuple[Num, Num]]]:
+    """The expert-parallel group takes the innermost `ep` ranks of the dp x cp ranks (in placement order);
+    the expert-data-parallel group the rest (Megatron `RankGenerator` for expert groups)."""
+    dims = [d for d in run.order if d in ("cp", "dp")]
+    sizes = {"cp": run.cp, "dp": run.dp}
+    inner, outer = dims[0], dims[1]
+    e1 = imin(run.ep, sizes[inner])
+    e2 = run.ep // e1
+    ep_seg = [(st[inner], e1), (st[outer], e2)]
+    edp_seg = [(st[inner] * e1, sizes[inner] // e1), (st[outer] * e2, sizes[outer] // e2)]
+    return ep_seg, edp_seg
+
+
+# ---------------------------------------------------------------------------------------------------- builders
+
+
+def _root_params(run: Run, stage: Num, total: Num) -> Num:
+    """Parameters of the stage outside the transformer layers (embedding, final norm, LM head): FSDP2's root
+    module when every layer is its own `fully_shard` unit."""
+    m = run.model
+    dense_l, expert_l = layer_params(m, run.tp, run.ep)
+    in_layers = stage_layers(m, run.pp, stage) * (dense_l + expert_l)
+    if m.params_override is not None:
+        in_layers = in_layers * m.params_override // shape_params(m)
+    return imax(total - in_layers, 0)
+
+
+def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
+    """Gradient reduction and parameter gathering over the data-parallel (ZeRO shard) group."""
+    r, z, prof = run.recipe, run.zero, run.profile
+    ga = run.grad_accum
+    dense, expert = stage_params(run, stage)
+    gb, pb = DTYPE_BYTES[r.grad_dtype], DTYPE_BYTES[r.param_dtype]
+    # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) gathers the low-precision copy
+    # (validation-findings: "FSDP2 with bf16 params: all-gathers in bf16, reduce-scatter in fp32")
+    ag_dtype = r.compute_dtype if (prof == "torch" and r.compute_copy) else r.param_dtype
+    agb = DTYPE_BYTES[ag_dtype]
+    unit = largest_unit_params(run)
+    groups: list[tuple[str, Num, Num, list[tuple[Num, Num]], str]] = [
+        ("", dense, run.dp * run.cp, _dp_segments(run, st), "dense")
+    ]
+    if run.model.moe is not None:
+        _, edp = _ep_split(run, st)
+        groups.append(("expert ", expert, run.dp * run.cp // run.ep, edp, "expert"))
+    out: list[_Term] = []
+    one = 1 + 0 * ga  # once per step (array-shaped)
+    for label, p, n, seg, which in groups:
+        grads, params = p * gb, p * pb
+        gathered = p * agb
+        root = _root_params(run, stage, dense) if which == "dense" else 0 * p
+        if prof == "megatron":
+            bucket = imax(MEGATRON_BUCKET_MIN, 1_000_000 * run.dp * run.cp) * gb
+        elif prof == "deepspeed":
+            bucket = DEEPSPEED_REDUCE_BUCKET * gb
+        else:
+            bucket = DDP_BUCKET_BYTES + 0 * p
+        unit_tail = _tail(unit * agb, gathered)
+        pre = f"{label}grads" if label else "grads"
+        if z == 0:
+            # DDP all-reduce once per step; no_sync during accumulation (torch DDP, Megatron DDP, DeepSpeed
+            # engine `allreduce_gradients` at the accumulation boundary)
+            ovl = prof in ("torch", "megatron")
+            out.append(_term(run, "all-reduce", "dp", r.grad_dtype, n, grads, one, seg,
+                             window="bwd_last" if ovl else "none", tail=_tail(bucket, grads),
+                             note=f"{pre}: all-reduce once per step ("
+                                  + ("overlaps the last backward except the last bucket" if ovl else
+                                     "after backward; DeepSpeed overlap_comm is off below ZeRO-3") + ")"))
+        elif z == 1 and prof == "torch":
+            # torch ZeroRedundancyOptimizer: DDP all-reduce, then each rank broadcasts its updated partition
+            # (torch/distributed/optim/zero_redundancy_optimizer.py `_sync_params`; measured 4P + 4P in fp32)
+            out.append(_term(run, "all-reduce", "dp", r.grad_dtype, n, grads, one, seg, window="bwd_last",
+                             tail=_tail(bucket, grads), note=f"{pre}: DDP all-reduce once per step"))
+            out.append(_term(run, "broadcast", "dp", r.param_dtype, n, params, one, seg,
+                             note=f"{label}params: ZeroRedundancyOptimizer broadcasts every rank's partition after "
+                                  "the step (n broadcasts of S/n; factor 1)"))
+        elif z in (1, 2) and prof in ("megatron", "deepspeed"):
+            # Megatron distributed optimizer (docs/user-guide/features/dist_optimizer.md): reduce-scatter grads,
+            # all-gather updated params; DeepSpeed stage_1_and_2.py: ZeRO-1 reduces at the accumulation boundary,
+            # ZeRO-2 every micro-batch (grads are partitioned), all-gather of params after the step.
+            per_mb = z == 2
+            ovl = prof == "megatron"
+            out.append(_term(run, "reduce-scatter", "dp", r.grad_dtype, n, grads, ga if per_mb else one, seg,
+                             window=("bwd" if per_mb else "bwd_last") if ovl else "none",
+                             tail=_tail(bucket, grads), per_mb=per_mb,
+                             note=f"{pre}: reduce-scatter " + ("every micro-batch" if per_mb else "once per step")))
+            out.append(_term(run, "all-gather", "dp", r.param_dtype, n, params, one, seg,
+                             window="fwd_first" if ovl else "none", tail=_tail(bucket * pb // gb, params),
+                             note=f"{label}params: all-gather of the updated shards once per step"
+                                  + (" (--overlap-param-gather)" if ovl else "")))
+        elif z == 2:  # torch FSDP2 fully_shard(reshard_after_forward=False)
+            out.append(_term(run, "all-gather", "dp", ag_dtype, n, gathered, ga, seg, window="fwd",
+                             tail=unit_tail, per_mb=True,
+                             note=f"{label}params: FSDP2 all-gather in forward, kept for backward, every micro-batch"))
+            out.append(_term(run, "reduce-scatter", "dp", r.grad_dtype, n, grads, ga, seg, window="bwd",
+                             tail=_tail(unit * gb, grads), per_mb=True,
+                             note=f"{pre}: FSDP2 reduce-scatter every micro-batch"))
+        else:  # ZeRO-3: FSDP2 default / DeepSpeed stage3.py / Megatron FSDP
+            bwd_gather = (p - root) * agb if prof == "torch" else gathered
+            rs_tail = _tail(bucket, grads) if prof == "deepspeed" else _tail(unit * gb, grads)
+            out.append(_term(run, "all-gather", "dp", ag_dtype, n, gathered, ga, seg, window="fwd",
+                             tail=unit_tail, per_mb=True,
+                             note=f"{label}params: all-gather in forward every micro-batch (prefetched)"))
+            out.append(_term(run, "all-gather", "dp", ag_dtype, n, bwd_gather, ga, seg, window="bwd",
+                             tail=_tail(unit * agb, bwd_gather), per_mb=True,
+                             note=f"{label}params: all-gather again in backward every micro-batch"
+                                  + (" (FSDP2 root stays unsharded after forward)" if prof == "torch" else "")))
+            out.append(_term(run, "reduce-scatter", "dp", r.grad_dtype, n, grads, ga, seg, window="bwd",
+                             tail=rs_tail, per_mb=True, note=f"{pre}: reduce-scatter every micro-batch"))
+    return out
+
+
+def _tensor_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
+    m, t = run.model, run.tp
+    ga = run.grad_accum
+    act = run.recipe.compute_dtype
+    ab = DTYPE_BYTES[act]
+    s_h = (run.seq // run.cp) * run.micro_batch * m.hidden * ab  # one s*b*h activation (s/cp with CP)
+    layers = stage_layers(m, run.pp, stage)
+    rc = stage_recomputed_layers(run, stage) if run.training.recompute == "full" else 0 * layers
+    first = where(stage == 0, 1, 0)
+    last = where(stage == run.pp - 1, 1, 0)
+    seg = [(st["tp"], t)]
+    win = "compute" if run.tp_overlap else "none"
+    out: list[_Term] = []
+
+    def add(op: str, s: Num, per_mb: Num, note: str, dtype: str = act) -> None:
+        out.append(_term(run, op, "tp", dtype, t, s, per_mb * ga, seg, window=win, note=note, per_mb=True))
+
+    if run.profile == "torch":
+        # DTensor ColwiseParallel / RowwiseParallel with unfused q, k, v and gate, up (validation-findings):
+        # forward: o and down all-reduce (2/layer); backward: one all-reduce of the input grad per
+        # column-parallel linear (3 + 2 SwiGLU or 3 + 1 GELU per layer); non-reentrant checkpointing replays one
+        # all-reduce per layer (early stop). Derived, not measured: with SequenceParallel the module-level input
+        # redistribution makes it 2 all-gathers + 2 reduce-scatters per layer each way.
+        n_col = 3 + (2 if m.mlp == "swiglu" else 1)
+        if not run.sp:
+            add("all-reduce", s_h, layers * (2 + n_col) + rc,
+                f"layers: {2} fwd + {n_col} bwd all-reduces per layer" + (", +1 per recomputed layer" if
+                                                                           run.training.recompute == "full" else ""))
+            add("all-reduce", s_h, first + last, "embedding output (fwd) and LM-head input grad (bwd)")
+        else:
+            add("all-gather", s_h, layers * 4 + rc * 2, "layers (SP): 2 fwd + 2 bwd all-gathers per layer")
+            add("reduce-scatter", s_h, layers * 4 + rc, "layers (SP): 2 fwd + 2 bwd reduce-scatters per layer")
+            add("reduce-scatter", s_h, first + last, "SP: embedding output (fwd), LM-head input grad (bwd)")
+            add("all-gather", s_h, first + last, "SP: embedding grad (bwd), LM-head input (fwd)")
+        v = padded_vocab(m, run.profile, t)
+        logits = (run.seq // run.cp) * run.micro_batch * v * ab
+        add("all-gather", logits, last, "logits gathered to every TP rank (ColwiseParallel LM head, no loss_parallel)")
+    else:
+        # Megatron-LM (Shoeybi et al. 2019 sec. 3): f/g operators, 2 all-reduces forward + 2 backward per layer;
+        # full recompute replays the forward: +2 (ZeRO paper sec. 7.2.2: 6 all-reduces per block).
+        # With SP (Korthikanti et al. 2022 sec. 4.2.2): each all-reduce becomes all-gather + reduce-scatter.
+        if not run.sp:
+            add("all-reduce", s_h, layers * 4 + rc * 2,
+                "layers: 2 fwd + 2 bwd all-reduces per layer" + (" + 2 replayed in recompute" if
+                                                                 run.training.recompute == "full" else ""))
+            add("all-reduce", s_h, first + last, "vocab-parallel embedding output (fwd), LM-head input grad (bwd)")
+        else:
+            add("all-gather", s_h, layers * 4 + rc * 2, "layers (SP): 2 fwd + 2 bwd all-gathers per layer")
+            add("reduce-scatter", s_h, layers * 4 + rc * 2, "layers (SP): 2 fwd + 2 bwd reduce-scatters per layer")
+            add("reduce-scatter", s_h, first + last, "SP: embedding output (fwd), LM-head input grad (bwd)")
+            add("all-gather", s_h, first + last, "SP: embedding grad (bwd), LM-head input (fwd)")
+        # vocab_parallel_cross_entropy: all-reduce of the max logit, the target logit and the sum of exp (fp32)
+        ce = (run.seq // run.cp) * run.micro_batch * 4
+        add("all-reduce", ce, 3 * last, "vocab-parallel cross-entropy: max, target logit, sum of exp (fp32)", "fp32")
+    return out
+
+
+def _pipeline(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
+    m, pp, v = run.model, run.pp, run.vpp
+    ga = run.grad_accum
+    act = run.recipe.compute_dtype
+    s = (run.seq // run.cp) * run.micro_batch * m.hidden * DTYPE_BYTES[act]
+    if run.sp:
+        s = s // run.tp
+    first = where(stage == 0, 1, 0)
+    last = where(stage == pp - 1, 1, 0)
+    # device d holds model chunks d, d+pp, ...: it sends activations forward for every chunk but the model's
+    # last and gradients backward for every chunk but the model's first (Narayanan et al. 2021 sec. 2.2.2)
+    sends = 2 * v - first - last
+    seg = [(st["pp"], pp)]
+    out = [_term(run, "send/recv", "pp", act, pp, s, sends * ga, seg, kind="pair", per_mb=True,
+                 note="activations forward + grads backward per micro-batch and model chunk (2 sends per "
+                      "chunk, one fewer on the first and on the last stage)" + (" (SP: /tp)" if run.sp else ""))]
+    if m.tied_embeddings:
+        # Megatron `_allreduce_word_embedding_grads` (megatron/core/distributed/finalize_model_grads.py); torch
+        # pipelining keeps separate copies, so the training loop has to do the same.
+        g = run.recipe.grad_dtype
+        emb = head_params(m, run.profile, run.tp) * DTYPE_BYTES[g]
+        on = (pp > 1) & (where(stage == 0, True, False) | where(stage == pp - 1, True, False))
+        n = where(on, 2, 1)
+        out.append(_term(run, "all-reduce", "pp", g, n, emb, 1 + 0 * ga, seg, kind="pair",
+                         note="tied embedding / LM-head grads between the first and last stage, once per step"))
+    return out
+
+
+def _context_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
+    m, c = run.model, run.cp
+    act = run.recipe.compute_dtype
+    layers = stage_layers(m, run.pp, stage)
+    rc = stage_recomputed_layers(run, stage) if run.training.recompute == "full" else 0 * layers
+    # K and V of the local sequence chunk on one TP rank (GQA: kv_heads / tp heads)
+    kv = 2 * (run.seq // c) * run.micro_batch * (m.kv_heads // run.tp) * m.head_dim * DTYPE_BYTES[act]
+    # TE AttnFuncWithCPAndKVP2P: forward (cp-1) K/V sends; backward (cp-1) K/V + (cp-1) dK/dV sends
+    per_mb = (3 * layers + rc) * (c - 1)
+    return [_term(run, "send/recv", "cp", act, c, kv, per_mb * run.grad_accum, [(st["cp"], c)], kind="pair",
+                  window="attn", per_mb=True,
+                  note="ring attention: (cp-1) K/V chunks per layer forward, K/V + dK/dV backward")]
+
+
+def _expert_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
+    m = run.model
+    assert m.moe is not None
+    act = run.recipe.compute_dtype
+    layers = stage_layers(m, run.pp, stage)
+    rc = stage_recomputed_layers(run, stage) if run.training.recompute == "full" else 0 * layers
+    tokens = (run.seq // run.cp) * run.micro_batch
+    if run.sp:
+        tokens = tokens // run.tp
+    s = tokens * m.moe.top_k * m.hidden * DTYPE_BYTES[act]
+    ep_seg, _ = _ep_split(run, st)
+    return [_term(run, "all-to-all", "ep", act, run.ep, s, (4 * layers + 2 * rc) * run.grad_accum, ep_seg,
+                  kind="a2a", per_mb=True,
+                  note="token dispatch + combine per MoE layer, forward and backward (top-k copies per token)")]
+
+
+def stage_terms(run: Run, stage: Num) -> list[_Term]:
+    """All collectives of one rank of pipeline stage `stage` (array-capable; inactive ones have 0 calls)."""
+    st = strides(run)
+    terms = _data_parallel(run, stage, st) + _tensor_parallel(run, stage, st) + _pipeline(run, stage, st)
+    terms += _context_parallel(run, stage, st)
+    if run.model.moe is not None:
+        terms += _expert_parallel(run, stage, st)
+    return terms
+
+
+# ---------------------------------------------------------------------------------------------------- totals
+
+
+def _totals(run: Run, terms: list[_Term]) -> tuple[Num, Num]:
+    """(communication seconds, exposed seconds) of a list of terms. Overlapped collectives that share a compute
+    window are summed; the group is exposed by max(its non-overlappable tail, its time - the window)."""
+    lat = run.hardware.latency_s
+    windows = overlap_windows(run)
+    total: Num = 0.0
+    by_window: dict[str, list[Num]] = {w: [0.0, 0.0] for w in WINDOWS}
+    for term in terms:
+        sec = term.seconds(lat)
+        total = total + sec
+        acc = by_window[term.window]
+        acc[0] = acc[0] + sec
+        acc[1] = acc[1] + sec * term.tail
+    exposed: Num = by_window["none"][0]
+    for w in WINDOWS[1:]:
+        t, tail = by_window[w]
+        exposed = exposed + imax(tail, t - windows[w])
+    return total, exposed
+
+
+def _candidate_stages(run: Run) -> list[Num]:
+    return [0 * run.pp, imin(1, run.pp - 1), run.pp - 1]
+
+
+def worst_stage(run: Run) -> tuple[Num, Num, Num]:
+    """(stage, communication seconds, exposed seconds) of the worst rank: most exposed, then most total."""
+    cands = _candidate_stages(run)
+    best = cands[0]
+    b_tot, b_exp = _totals(run, stage_terms(run, best))
+    for s in cands[1:]:
+        tot, exp = _totals(run, stage_terms(run, s))
+        better = (exp > b_exp) | ((exp == b_exp) & (tot > b_tot))
+        best = where(better, s, best)
+        b_tot = where(better, tot, b_tot)
+        b_exp = where(better, exp, b_exp)
+    return best, b_tot, b_exp
+
+
+def comm_seconds_per_step(run: Run) -> Num:
+    """Time of all collectives of the worst rank per step, overlapped or not (array-capable)."""
+    return worst_stage(run)[1]
+
+
+def exposed_comm_seconds(run: Run) -> Num:
+    """Communication time per step that does not hide behind compute, worst rank (array-capable)."""
+    return worst_stage(run)[2]
+
+
+def comm_bytes_per_step(run: Run) -> Num:
+    """Bytes sent by the worst rank per step (array-capable)."""
+    stage = worst_stage(run)[0]
+    total: Num = 0
+    for term in stage_terms(run, stage):
+        total = total + term.bytes_per_step
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------- scalar API
+
+
+def collectives(run: Run, stage: int | None = None) -> list[Collective]:
+    """The collectives of the worst rank (or of `stage`) over one optimizer step, scalar run only."""
+    if stage is None:
+        stage = int(worst_stage(run)[0])
+    lat = run.hardware.latency_s
+    ga = int(run.grad_accum)
+    out: list[Collective] = []
+    for t in stage_terms(run, stage):
+        calls = int(t.calls)
+        if calls == 0:
+            continue
+        out.append(Collective(
+            op=t.op,
+            group=t.group,
+            group_size=int(t.n),
+            dtype=t.dtype,
+            bytes_per_call=int(t.s),
+            calls_per_micro_batch=calls / ga,
+            calls_per_step=calls,
+            bytes_per_step=int(t.bytes_per_step),
+            seconds_per_step=t.seconds(lat),
+            link="intra-node" if bool(t.intra) else "inter-node",
+            overlapped=t.window != "none",
+            note=t.note,
+            window=t.window,
+        ))
+    return out
+
+
+def comm_notes(run: Run) -> list[str]:
+    hw = run.hardware
+    notes = [
+        "bytes_per_step: bytes sent by one GPU (ring factors: all-reduce 2(n-1)/n, reduce-scatter / all-gather / "
+        "all-to-all (n-1)/n, broadcast and send/recv 1)",
+        f"time: latency x ring steps + bytes / bandwidth; placement {','.join(run.order)} (innermost first), "
+        f"{hw.gpus_per_node} GPUs per node",
+        "dp collectives run over dp x cp (ZeRO shard group); bucketed collectives are listed as one call of the "
+        "whole buffer",
+    ]
+    if hw.intra_node_bytes_per_s <= 0 or hw.inter_node_bytes_per_s <= 0:
+        notes.append("hardware lacks an intra- or inter-node bandwidth: collectives on that link are timed by "
+                     "latency only")
+    if run.profile == "torch" and run.tp > 1:
+        notes.append("torch TP: measured DTensor counts with unfused q/k/v and gate/up; logits all-gathered "
+                     "(no loss_parallel)")
+    if run.profile == "megatron" and run.tp > 1 and run.sp:
+        notes.append("megatron SP: the paper's volume; Megatron also re-gathers column-parallel inputs in backward "
+                     "(overlapped with the input-grad GEMM), not counted")
+    if run.offload != "none":
+        notes.append("offload: host-device copies over PCIe are not modelled")
+    if run.model.moe is not None and run.tp > 1 and not run.sp:
+        notes.append("MoE with TP and no SP: every TP rank dispatches all its tokens (no token split over TP)")
+    return notes
+
+
+def communication_out(run: Run, colls: list[Collective]) -> Any:
+    """The `communication` section of the Estimate."""
+    from memcalc.cost.estimate import CollectiveOut, Communication
+
+    stage, _, exposed = worst_stage(run)
+    outs = [CollectiveOut(**{f.name: getattr(c, f.name) for f in dataclasses.fields(Collective)}) for c in colls]
+    seconds = 0.0
+    for c in colls:
+        seconds = seconds + c.seconds_per_step
+    return Communication(
+        modelled=True,
+        collectives=outs,
+        bytes_per_step=sum(c.bytes_per_step for c in colls),
+        seconds_per_step=seconds,
+        exposed_seconds_per_step=float(exposed),
+        stage=int(stage),
+        notes=comm_notes(run),
+    )
+
+
+__all__ = [
+    "OPS",
+    "Collective",
+    "collectives",
+    "comm_bytes_per_step",
+    "comm_seconds_per_step",
+    "communication_out",
+    "exposed_comm_seconds",
+    "ranks_per_node",
+    "stage_terms",
+    "strides",
+    "worst_stage",
+]

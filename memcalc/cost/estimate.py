@@ -85,6 +85,7 @@ class CollectiveOut(_Out):
     link: str
     overlapped: bool
     note: str = ""
+    window: str = "none"  # the compute an overlapped collective hides behind (fwd, bwd, bwd_last, ...)
 
 
 class Communication(_Out):
@@ -93,6 +94,8 @@ class Communication(_Out):
     bytes_per_step: int
     seconds_per_step: float
     exposed_seconds_per_step: float
+    stage: int = 0  # the pipeline stage of the worst rank the collectives describe
+    notes: list[str] = []
 
 
 class Compute(_Out):
@@ -107,6 +110,8 @@ class Compute(_Out):
     tokens_per_second: float
     mfu: float
     assumed_mfu: float
+    model_flops_per_step: float = 0.0  # without recompute: the numerator of `mfu`
+    peak_flops_per_gpu: float = 0.0
     notes: list[str] = []
 
 
@@ -114,6 +119,7 @@ class Estimate(_Out):
     schema_version: str
     memcalc_version: str
     inputs: dict[str, Any]
+    batch: dict[str, Any]
     memory: Memory
     communication: Communication
     compute: Compute
@@ -157,6 +163,7 @@ def resolved_inputs(run: Run) -> dict[str, Any]:
             "schedule": run.schedule,
             "order": ",".join(run.order),
             "tp_overlap": run.tp_overlap,
+            "dp_mode": run.dp_mode,
             "shard_degree": run.shard_degree,
         },
         "hardware": run.hardware.model_dump(),
@@ -246,6 +253,9 @@ def estimate(run: Run, stage: int | None = None, advice: bool = True) -> Estimat
             "grads_fp32_copy": int(st.grads_fp32),
             "optimizer_moments": int(st.optimizer),
             "stage_params": int(st.stage_params),
+            "trainable_params": int(st.trainable_params),
+            "frozen_params_bytes": int(st.frozen_params_bytes),
+            "ps_server_bytes": int(st.ps_server),
         },
         activations_detail={k: int(v) for k, v in sm.activations_detail.items()},
         buffers_detail={k: int(v) for k, v in sm.buffers_detail.items()},
@@ -266,10 +276,13 @@ def estimate(run: Run, stage: int | None = None, advice: bool = True) -> Estimat
     colls = comm.collectives(run)
     comm_out = comm.communication_out(run, colls)
     comp_out = compute.compute_out(run, colls)
+    from memcalc.cost.batch import batch_guidance
+
     return Estimate(
         schema_version=SCHEMA_VERSION,
         memcalc_version=__version__,
         inputs=resolved_inputs(run),
+        batch=batch_guidance(run),
         memory=memory,
         communication=comm_out,
         compute=comp_out,

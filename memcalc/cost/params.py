@@ -19,10 +19,11 @@ the module so the LM head owns a separate weight).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from memcalc.specs import ModelSpec, Run
-from memcalc.xp import cdiv, where
+from memcalc.xp import cdiv, imax, imin, where
 
 Num = Any
 
@@ -158,3 +159,89 @@ def matrix_shapes(m: ModelSpec, tp: Num = 1) -> list[tuple[Num, Num, int]]:
         (h, ffn // tp, 1),
     ]
     return shapes
+
+
+# --- fine-tuning: LoRA adapters, frozen and quantized base weights (issue 7) ---------------------------------
+
+
+def lora_layer_params(m: ModelSpec, targets: str, rank: int, tp: Num = 1) -> Num:
+    """Trainable LoRA parameters of one layer on one TP rank (Hu et al. 2021, sec. 4: W + B A with A (r x in),
+    B (out x r)). With TP the adapter follows its base matrix: for column-parallel q/k/v/gate/up, A is replicated
+    and B split by t; for row-parallel o/down, A is split by t and B replicated (NeMo / Megatron-core LoRA)."""
+    h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
+    total = 0
+    if targets in ("attn", "all"):
+        total = total + 3 * h * rank + rank * (a * d + 2 * g * d) // tp  # q, k, v
+        total = total + (a * d) * rank // tp + rank * h  # o
+    if targets in ("mlp", "all"):
+        n_in = 2 if m.mlp == "swiglu" else 1
+        total = total + n_in * (h * rank + rank * m.ffn // tp)  # gate/up (or fc)
+        total = total + m.ffn * rank // tp + rank * h  # down
+    return total
+
+
+def layer_matrix_stats(m: ModelSpec, tp: Num = 1, ep: Num = 1) -> tuple[Num, Num, int]:
+    """(weight elements, weight rows, number of matrices) of one layer's linear weights on one rank: what a
+    weight-only quantizer (bitsandbytes Linear4bit / Linear8bitLt) replaces; norms and biases stay unquantized."""
+    shapes = matrix_shapes(m, tp)
+    n_mlps = 1 if m.moe is None else m.moe.experts // ep + m.moe.shared_experts
+    elems, rows, count_total = 0, 0, 0
+    for i, (r, c, count) in enumerate(shapes):
+        k = count * (n_mlps if i >= 3 else 1)
+        elems, rows, count_total = elems + k * r * c, rows + k * r, count_total + k
+    return elems, rows, count_total
+
+
+def stage_first_layer(m: ModelSpec, pp: Num, stage: Num) -> Num:
+    """Index of the first layer held by pipeline stage `stage`."""
+    base, rem = m.layers // pp, m.layers % pp
+    return stage * base + where(stage < rem, stage, rem)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParamSplit:
+    trainable_dense: Num
+    trainable_expert: Num
+    frozen_linear: Num  # frozen linear weights of the layers (quantizable with --base-dtype nf4|int8|fp8)
+    frozen_linear_rows: Num  # their output rows (int8 row-wise scales)
+    frozen_linear_matrices: Num  # their count (fp8 per-tensor scales)
+    frozen_other: Num  # frozen embeddings, head, norms, biases
+
+    @property
+    def trainable(self) -> Num:
+        return self.trainable_dense + self.trainable_expert
+
+    @property
+    def frozen(self) -> Num:
+        return self.frozen_linear + self.frozen_other
+
+
+def stage_param_split(run: Run, stage: Num) -> ParamSplit:
+    """Trainable and frozen parameters of one rank of `stage`. Without LoRA or --freeze everything trains."""
+    m, t = run.model, run.training
+    dense, expert = stage_params(run, stage)
+    if t.lora_rank is None and not t.freeze:
+        return ParamSplit(dense, expert, 0, 0, 0, 0)
+    from memcalc.specs import freeze_layers
+
+    n_layers = stage_layers(m, run.pp, stage)
+    scale_num, scale_den = (m.params_override, shape_params(m)) if m.params_override is not None else (1, 1)
+    dense_l, expert_l = layer_params(m, run.tp, run.ep)
+    lin, rows, mats = layer_matrix_stats(m, run.tp, run.ep)
+    if t.lora_rank is not None:
+        adapters = n_layers * lora_layer_params(m, t.lora_targets, t.lora_rank, run.tp)
+        frozen_lin = n_layers * lin * scale_num // scale_den
+        return ParamSplit(adapters, 0 * dense, frozen_lin, n_layers * rows, n_layers * mats,
+                          dense + expert - frozen_lin)
+    k = freeze_layers(t)
+    start = stage_first_layer(m, run.pp, stage)
+    frozen_here = imin(imax(k - start, 0), n_layers)
+    frozen = frozen_here * (dense_l + expert_l)
+    if "embeddings" in t.freeze:
+        frozen = frozen + where(stage == 0, embedding_params(m, run.profile, run.tp), 0)
+    if "head" in t.freeze and not m.tied_embeddings:
+        frozen = frozen + where(stage == run.pp - 1, head_params(m, run.profile, run.tp), 0)
+    frozen = frozen * scale_num // scale_den
+    frozen_expert = frozen_here * expert_l * scale_num // scale_den
+    return ParamSplit(dense - (frozen - frozen_expert), expert - frozen_expert, 0 * dense, 0 * dense, 0 * dense,
+                      frozen)

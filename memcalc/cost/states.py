@@ -51,6 +51,9 @@ class ModelStates:
     cpu: Num  # offloaded bytes on the host
     stage_params: Num  # parameters of this rank's stage after TP/EP sharding (elements, before ZeRO)
     grads_persistent: bool  # gradient buffers stay allocated between steps (megatron/deepspeed buffers)
+    trainable_params: Num = 0  # elements that receive gradients on this rank (before ZeRO)
+    frozen_params_bytes: Num = 0  # frozen (possibly quantized) weights, included in `params`
+    ps_server: Num = 0  # parameter-server mode: bytes on the server per worker's model (not on this GPU)
 
     @property
     def total(self) -> Num:
@@ -110,10 +113,39 @@ def _adafactor_elems(run: Run, n_elems: Num, stage: Num) -> Num:
     return cdiv(stage_total * n_elems, where(full > 0, full, 1))
 
 
+def frozen_bytes(run: Run, linear: Num, rows: Num, mats: Num, other: Num) -> Num:
+    """Bytes of frozen weights. Quantized storage (--base-dtype) applies to the layers' linear weights:
+    - nf4 (QLoRA, Dettmers et al. 2023, sec. 2-3): 4 bits per weight plus one absmax per block of 64; with double
+      quantization the absmax is 8-bit and each 256 blocks share one fp32 second-level constant
+      (8/64 + 32/(64*256) = 0.127 bits per parameter), else an fp32 absmax (0.5 bits);
+    - int8 (LLM.int8, bitsandbytes Int8Params): 1 byte per weight plus an fp32 scale per output row;
+    - fp8: 1 byte per weight plus an fp32 scale per tensor.
+    Other frozen tensors (embeddings, norms, head) and unquantized linears use --base-dtype when it is a float
+    type, else the compute dtype with LoRA (PEFT loads the base model in bf16) or the param dtype with --freeze."""
+    t, r = run.training, run.recipe
+    float_dtype = t.base_dtype if t.base_dtype in DTYPE_BYTES and t.base_dtype != "fp8" else None
+    if float_dtype is None:
+        float_dtype = r.compute_dtype if t.lora_rank is not None else r.param_dtype
+    fb = DTYPE_BYTES[float_dtype]
+    if t.base_dtype == "nf4":
+        scales = cdiv(linear, 64) + 4 * cdiv(linear, 64 * 256) if t.double_quant else 4 * cdiv(linear, 64)
+        lin_bytes = cdiv(linear, 2) + scales
+    elif t.base_dtype == "int8":
+        lin_bytes = linear + 4 * rows
+    elif t.base_dtype == "fp8":
+        lin_bytes = linear + 4 * mats
+    else:
+        lin_bytes = fb * linear
+    return lin_bytes + fb * other
+
+
 def model_states(run: Run, stage: Num = 0) -> ModelStates:
     """Per-GPU model-state bytes of one rank of pipeline stage `stage`."""
+    from memcalc.cost.params import stage_param_split
+
     r = run.recipe
-    dense, expert = stage_params(run, stage)
+    split = stage_param_split(run, stage)
+    dense, expert = split.trainable_dense, split.trainable_expert
     n = dense + expert
     d = run.shard_degree
     de = d // run.ep  # expert data-parallel group
@@ -125,6 +157,15 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
     pb, gb = DTYPE_BYTES[r.param_dtype], DTYPE_BYTES[r.grad_dtype]
 
     params = pb * (shard(dense, expert) if z >= 3 else n)
+    frozen = frozen_bytes(run, split.frozen_linear, split.frozen_linear_rows, split.frozen_linear_matrices,
+                          split.frozen_other)
+    # frozen weights have nothing for ZeRO-1/2 to shard; ZeRO-3 / FSDP2 shards them like any parameter
+    frozen = cdiv(frozen, d) if z >= 3 else frozen
+    if run.schedule in ("pipedream", "pipedream-2bw"):
+        # weight stashing (Narayanan et al. 2019, PipeDream sec. 3.3): one weight version per in-flight
+        # micro-batch, pp - stage on stage `stage`; PipeDream-2BW keeps two (Narayanan et al. 2021, sec. 3.1)
+        versions = run.pp - stage if run.schedule == "pipedream" else 2 + 0 * stage
+        params = params + (versions - 1) * params
     if run.profile == "deepspeed" and z >= 3 and r.fp32_grad_copy:
         grads = 0 * n  # reduced straight into the fp32 partition (stage3.py)
     else:
@@ -132,8 +173,13 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
     opt_elems = shard(dense, expert) if z >= 1 else n
     master = 4 * opt_elems if r.master_weights else 0 * n
     grads_fp32 = 4 * opt_elems if r.fp32_grad_copy else 0 * n
-    # optimizer state of the shard: computed on the shard's element count
     optimizer = optimizer_state_bytes(run, opt_elems, stage)
+    ps_server = 0 * n
+    if run.dp_mode == "ps":
+        # parameter server (Li et al. 2014): workers push gradients and pull parameters; the server holds the
+        # master parameters, the accumulated gradients and the optimizer state, the workers only params + grads.
+        ps_server = pb * n + gb * n + master + grads_fp32 + optimizer
+        master, grads_fp32, optimizer = 0 * n, 0 * n, 0 * n
 
     cpu = 0 * n
     if run.offload in ("optimizer", "params"):
@@ -143,17 +189,20 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
             cpu = cpu + grads
             grads = 0 * n
     if run.offload == "params":
-        cpu = cpu + params + grads
-        params, grads = 0 * n, 0 * n
+        cpu = cpu + params + grads + frozen
+        params, grads, frozen = 0 * n, 0 * n, 0 * n
 
     persistent = run.profile in ("megatron", "deepspeed")
     return ModelStates(
-        params=params,
+        params=params + frozen,
         master_weights=master,
         grads=grads,
         grads_fp32=grads_fp32,
         optimizer=optimizer,
         cpu=cpu,
-        stage_params=n,
+        stage_params=n + split.frozen,
         grads_persistent=persistent,
+        trainable_params=n,
+        frozen_params_bytes=frozen,
+        ps_server=ps_server,
     )

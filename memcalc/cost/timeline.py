@@ -4,6 +4,19 @@ of components (DESIGN section 4, "Peak over a timeline").
 Contract used by estimate.py and the planner (array-polymorphic like the rest of the cost model):
 `stage_memory(run, stage) -> StageMemory` with one `Phase` per moment of the step, each giving the bytes live
 per category at that moment. `allocated_peak` is the elementwise maximum of the phase totals.
+
+Phases (docs/methodology-activations.md, "Timeline"):
+- forward: the end of the last forward before a backward. Model states; gradients only where the framework keeps
+  them allocated between steps (`ModelStates.grads_persistent`: Megatron's and DeepSpeed's contiguous buffers;
+  torch's `zero_grad(set_to_none=True)` frees them); the activations saved by every in-flight micro-batch plus the
+  forward transient (the logits at the loss on the last stage, or context-parallel ring buffers).
+- backward: the highest moment of backward. Within one micro-batch's backward, activations fall and gradients
+  rise roughly linearly, so the maximum is at its start or its end. Candidates: the start of the stage's first
+  backward (all in-flight activations + logits gradient / recompute re-materialisation; gradients only if
+  persistent) and the start of a later backward (fewer or as many activations, all gradients allocated), which
+  also bounds the end of the first one. With persistent gradients the first start is the maximum.
+- optimizer: no activations; all gradients and the optimizer's temporaries (buffers).
+Buffers (memcalc/cost/buffers.py) add their bytes to the phases each one names.
 """
 
 from __future__ import annotations
@@ -11,13 +24,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from memcalc.cost.activations import stage_activations
+from memcalc.cost.buffers import stage_buffers
 from memcalc.cost.states import ModelStates, model_states
 from memcalc.specs import Run
-from memcalc.xp import imax
+from memcalc.xp import imax, where
 
 Num = Any
 
 CATEGORIES: tuple[str, ...] = ("params", "master_weights", "grads", "optimizer", "activations", "buffers")
+
+# Components the cost model does not cover yet. "buffers" and "fragmentation" belong to the buffer/allocator
+# model (memcalc/cost/buffers.py, fragmentation.py): whoever lands it drops them here. Activations are modelled.
+NOT_MODELLED: tuple[str, ...] = ("buffers", "fragmentation")
+
+_FWD_NOTE = "end of the last forward before a backward"
+_BWD_NOTE = "highest moment of backward"
+_OPT_NOTE = "optimizer step"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,19 +76,57 @@ class StageMemory:
 
 def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
     s = model_states(run, stage)
+    act = stage_activations(run, stage)
+
+    buf_fwd = buf_bwd = buf_opt = 0
+    buffers_detail: dict[str, Num] = {}
+    for name, b in stage_buffers(run, stage).items():
+        buffers_detail[name] = b.bytes
+        if "forward" in b.phases:
+            buf_fwd = buf_fwd + b.bytes
+        if "backward" in b.phases:
+            buf_bwd = buf_bwd + b.bytes
+        if "optimizer" in b.phases:
+            buf_opt = buf_opt + b.bytes
+
     grads = s.grads + s.grads_fp32
-    base = {"params": s.params, "master_weights": s.master_weights, "optimizer": s.optimizer}
-    fwd_grads = grads if s.grads_persistent else 0 * grads
+    params, master, opt = s.params, s.master_weights, s.optimizer
+    if s.grads_persistent:
+        fwd_grads = grads
+        bwd_grads = grads
+        bwd_act = act.backward_first_bytes
+    else:
+        fwd_grads = 0 * grads
+        # first backward starts with no gradients; a later one with all of them (see module docstring)
+        first_wins = act.backward_first_bytes >= act.backward_later_bytes + grads
+        bwd_act = where(first_wins, act.backward_first_bytes, act.backward_later_bytes)
+        bwd_grads = where(first_wins, 0 * grads, grads)
+
     phases = (
-        Phase("forward", {**base, "grads": fwd_grads, "activations": 0, "buffers": 0}),
-        Phase("backward", {**base, "grads": grads, "activations": 0, "buffers": 0}),
-        Phase("optimizer", {**base, "grads": grads, "activations": 0, "buffers": 0}),
+        Phase(
+            "forward",
+            {"params": params, "master_weights": master, "grads": fwd_grads, "optimizer": opt,
+             "activations": act.forward_bytes, "buffers": buf_fwd},
+            _FWD_NOTE,
+        ),
+        Phase(
+            "backward",
+            {"params": params, "master_weights": master, "grads": bwd_grads, "optimizer": opt,
+             "activations": bwd_act, "buffers": buf_bwd},
+            _BWD_NOTE,
+        ),
+        Phase(
+            "optimizer",
+            {"params": params, "master_weights": master, "grads": grads, "optimizer": opt,
+             "activations": 0 * grads, "buffers": buf_opt},
+            _OPT_NOTE,
+        ),
     )
     return StageMemory(
         stage=stage,
         states=s,
         phases=phases,
-        activations_detail={},
-        buffers_detail={},
-        not_modelled=("activations", "buffers", "fragmentation"),
+        activations_detail=act.detail,
+        buffers_detail=buffers_detail,
+        not_modelled=NOT_MODELLED,
     )

@@ -50,6 +50,18 @@ def _component_notes(est: Estimate, run: Run) -> dict[str, str]:
         "grads": f"{r.grad_dtype}, {sh(z >= 2)}" + (" + fp32 copy" if r.fp32_grad_copy else ""),
         "optimizer": f"{run.training.optimizer} ({r.moment_dtype}), {sh(z >= 1)}",
     }
+    t = run.training
+    det = est.memory.model_states_detail
+    if t.lora_rank is not None or t.freeze:
+        what = f"LoRA r={t.lora_rank} on {t.lora_targets}" if t.lora_rank is not None else "frozen " + ",".join(t.freeze)
+        base = t.base_dtype or (r.compute_dtype if t.lora_rank is not None else r.param_dtype)
+        notes["params"] = (f"{what}: {det['trainable_params']:,} trainable; frozen base in {base} "
+                           f"({det['frozen_params_bytes'] / UNIT_BYTES['GiB']:.2f} GiB)")
+        notes["grads"] = f"{r.grad_dtype}, trainable params only"
+        notes["optimizer"] = f"{t.optimizer} ({r.moment_dtype}), trainable params only"
+    if run.dp_mode == "ps":
+        notes["optimizer"] = (f"on the parameter server ({det['ps_server_bytes'] / UNIT_BYTES['GiB']:.2f} GiB "
+                              "there), not on the workers")
     if run.offload != "none":
         notes["optimizer"] += f", offloaded to CPU ({run.offload})"
     notes["fragmentation"] = "caching allocator: reserved - allocated"
@@ -116,6 +128,15 @@ def render_estimate(est: Estimate, run: Run, units: str = "GiB", explain: bool =
         st = "  ".join(f"s{s.stage} {_num(s.peak_bytes, units)}" for s in mem.stages)
         con.print(Text(f"per stage peak ({units}): {st}", style="dim"))
 
+    b = est.batch
+    con.print(Text(f"batch: {b['formula']} = {b['global_batch']} sequences, {b['tokens_per_step']:,} tokens/step",
+                   style="dim"))
+    if b["lr_linear"] is not None:
+        rule = b["recommended_rule"]
+        con.print(Text(f"learning rate from base {b['base_lr']:g} at batch {b['base_batch']}: linear rule "
+                       f"{b['lr_linear']:.3g}, square-root rule {b['lr_sqrt']:.3g} (use {rule} for "
+                       f"{run.training.optimizer})" + (f"; warm-up {b['warmup_steps']} steps"
+                                                        if b["warmup_steps"] is not None else ""), style="dim"))
     _render_comm_compute(est, con, units)
     _render_verdict(est, con, units)
     if explain:

@@ -1,0 +1,380 @@
+"""Activation memory: what autograd saves for backward, op by op, for the profile's layer. DESIGN section 4.
+
+Every term is bytes for one layer and one micro-batch on one rank, after tensor (TP), sequence (SP) and context
+(CP) parallel division. The derivation of each term, with its source, is in docs/methodology-activations.md.
+
+Reference derivation: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(arXiv:2205.05198), sec. 4.1 (GPT layer: `sbh(34 + 5as/h)`), 4.2 (TP eq. 2, TP+SP eq. 4), 4.2.3 (pipeline) and
+sec. 5 (selective recompute). With `paper_terms=True` `layer_terms` uses their conventions (no LayerNorm mean/rstd)
+and reproduces their per-layer formulas exactly; the default adds the small terms they leave out.
+
+Symbols: s sequence, b micro-batch, h hidden, a heads, g KV heads, d head dim, f FFN width, V vocabulary,
+t = tp, cp = context parallel. Tokens of one micro-batch on a rank: `tok = (s/cp)*b`; in the sequence-parallel
+region (norms, dropout, residual stream) `tok_sp = (s/cp)/t * b` with SP, else `tok`.
+
+Array-polymorphic (memcalc/xp.py): layout fields and `stage` may be numpy int64 arrays; only categorical fields
+(profile, recompute, attention, loss, sp, schedule, model shape) are branched on with `if`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from memcalc.cost.params import padded_vocab, stage_layers
+from memcalc.specs import DTYPE_BYTES, Run
+from memcalc.xp import cdiv, imax, imin, where
+
+Num = Any
+
+# Chunked loss: the fp32 upcast, log-softmax and their gradient exist for one chunk of tokens at a time.
+# torchtune `CEWithChunkedOutputLoss(num_output_chunks=8)`; Liger's fused linear cross-entropy chunks likewise.
+LOSS_CHUNKS = 8
+
+
+def _fp32_norm_stats(run: Run) -> int:
+    """fp32 statistics saved per token by a norm: LayerNorm mean and rstd (aten native_layer_norm), RMSNorm rstd
+    (aten _fused_rms_norm; Apex/TE fused kernels save the same)."""
+    return 8 if run.model.norm == "layernorm" else 4
+
+
+def _shape(run: Run) -> tuple[int, Num, Num, Num]:
+    """(compute-dtype bytes, tok, tok_sp, tok_in): tokens of one micro-batch on this rank, in the SP region, and
+    saved as the input of the column-parallel linears (QKV, MLP in, LM head)."""
+    c = DTYPE_BYTES[run.recipe.compute_dtype]  # fp8 recipes save bf16 activations (specs._recipe)
+    s_loc = run.seq // run.cp  # CP splits the sequence (resolve() checks cp | seq)
+    b = run.micro_batch
+    tok = s_loc * b
+    # SP shards the sequence dim over t (Korthikanti sec. 4.2.2); Megatron pads nothing: it requires t | s
+    tok_sp = cdiv(s_loc, run.tp) * b if run.sp else tok
+    # Megatron's column-parallel linear with SP saves its *sharded* input and all-gathers it again in backward
+    # (megatron/core/tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication; Korthikanti
+    # sec. 4.2.2). torch DTensor SP (ColwiseParallel(input_layouts=Shard(1))) all-gathers before the matmul,
+    # which then saves the gathered tensor: the full `tok`.
+    tok_in = tok if (run.sp and run.profile != "megatron") else tok_sp
+    return c, tok, tok_sp, tok_in
+
+
+def _mlp_terms(run: Run, prefix: str, c: int, tokens: Num, ffn: int, out: dict[str, Num]) -> None:
+    """Saved intermediates of one MLP (input excluded) on `tokens` tokens, FFN width split over tp."""
+    f_t = cdiv(ffn, run.tp)  # column-parallel fc / gate+up (Shoeybi et al. 2019 sec. 3); uneven: biggest shard
+    if run.model.mlp == "gelu":
+        # fc output = GELU input (saved by gelu), GELU output = proj input (Korthikanti sec. 4.1: 8sbh + 8sbh)
+        out[prefix + "fc_output"] = c * tokens * f_t
+        out[prefix + "act_output"] = c * tokens * f_t
+        return
+    # SwiGLU y = silu(x W_g) * (x W_u): gate and up outputs are saved (silu's input, the product's other factor).
+    out[prefix + "gate_up_output"] = 2 * c * tokens * f_t
+    if run.profile != "megatron":
+        # unfused (HF LlamaMLP, torchtitan): the product also saves silu's output. Megatron's fused SwiGLU saves
+        # only its input and recomputes silu in backward (megatron/core/fusions/fused_bias_swiglu.py).
+        out[prefix + "silu_output"] = c * tokens * f_t
+    out[prefix + "act_output"] = c * tokens * f_t  # down-projection input
+
+
+def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) -> dict[str, Num]:
+    """Bytes saved for backward by one transformer layer for one micro-batch on one rank, by named term.
+
+    recompute: "none" (everything autograd saves), "selective" (the attention core is checkpointed: its scores,
+    softmax and dropout are not kept; Korthikanti sec. 5) or "full" (only the checkpointed layer's input is kept).
+    paper_terms: Korthikanti's conventions (no fp32 norm statistics) for reproducing their formulas exactly.
+    """
+    m = run.model
+    c, tok, tok_sp, tok_in = _shape(run)
+    h = m.hidden
+    if recompute == "full":
+        # the layer input, i.e. the residual stream (sharded with SP): Korthikanti sec. 5 `2sbh` (/t with SP)
+        return {"checkpoint_input": c * tok_sp * h}
+    t = run.tp
+    d = m.head_dim
+    heads = m.heads // t  # resolve() checks t | a and t | g
+    kv = m.kv_heads // t
+    eager = run.training.attention == "eager"
+    dropout = run.dropout > 0
+    stats = 0 if paper_terms else _fp32_norm_stats(run) * tok_sp
+    norm = c * tok_sp * h + stats  # a norm saves its input (+ fp32 stats); replicated over t without SP
+
+    out: dict[str, Num] = {}
+    out["attn_norm"] = norm
+    out["qkv_input"] = c * tok_in * h  # norm output, input of the QKV projection (Korthikanti: 2sbh)
+    out["q"] = c * tok * heads * d
+    # eager attention repeats K/V to all heads before the matmuls that save them (HF repeat_kv; Megatron
+    # unfused DotProductAttention repeat_interleave); flash/SDPA kernels take g heads and save them as is.
+    kv_saved = heads if eager else kv
+    out["k"] = c * tok * kv_saved * d
+    out["v"] = c * tok * kv_saved * d
+    # Rotary: q*cos + rotate_half(q)*sin saves only cos/sin (per micro-batch, shared by all layers; counted once
+    # per stage in `stage_terms`), not the pre-rotary q/k: nothing per layer.
+    if recompute != "selective":
+        if eager:
+            # scores: a/t heads x (s/cp) queries x s keys (Korthikanti sec. 4.1: softmax output 2as^2b, saved
+            # once when there is no dropout: softmax backward and the matmul with V both use it)
+            scores = heads * tok * run.seq
+            out["attn_softmax"] = c * scores
+            if dropout:
+                out["attn_dropout_mask"] = scores  # 1 byte per element (bool mask): as^2b
+                out["attn_dropout_output"] = c * scores  # the dropped softmax, saved by the matmul with V
+        else:
+            # flash / SDPA: no s x s tensor; the fp32 log-sum-exp per head and query (Dao et al. 2022, FlashAttention
+            # sec. 3.1; flash_attn softmax_lse). Attention dropout is regenerated from the saved RNG state.
+            out["attn_lse"] = 4 * tok * heads
+    # attention output = o-projection input (Korthikanti: 2sbh); flash's saved `out` is this same tensor
+    out["attn_output"] = c * tok * heads * d
+    if dropout:
+        out["attn_residual_dropout_mask"] = tok_sp * h  # 1 byte per element (Korthikanti: sbh)
+    out["residual_adds"] = 0  # an add saves nothing; the residual stream is kept by the next norm's saved input
+    out["mlp_norm"] = norm
+    out["mlp_input"] = c * tok_in * h  # norm output, input of fc / gate+up (and of the MoE router)
+    moe = m.moe
+    if moe is None:
+        _mlp_terms(run, "mlp_", c, tok, m.ffn, out)
+    else:
+        k = moe.top_k
+        # Router (Megatron megatron/core/transformer/moe/router.py; HF MixtralSparseMoeBlock): fp32 softmax
+        # over experts, then top-k indices (int64) and weights (fp32) per token.
+        out["moe_router_probs"] = 4 * tok_in * moe.experts
+        out["moe_routing_metadata"] = 12 * tok_in * k
+        # Balanced routing: the EP all-to-all delivers k*tok tokens to each rank, whatever ep is (each rank sends
+        # k*tok token copies and receives as many); with TP each rank of the group runs its FFN slice on all of
+        # them. The permuted tokens are saved by the experts' first matmul.
+        routed = k * tok
+        out["moe_dispatched_input"] = c * routed * h
+        _mlp_terms(run, "moe_expert_", c, routed, moe.expert_ffn, out)
+        # combine: the expert outputs are saved by the multiplication with the routing weights (unpermute)
+        out["moe_combine"] = c * routed * h
+        if moe.shared_experts:
+            _mlp_terms(run, "moe_shared_", c, tok, moe.shared_experts * moe.expert_ffn, out)
+    if dropout:
+        out["mlp_residual_dropout_mask"] = tok_sp * h
+    return out
+
+
+def layer_bytes(run: Run, recompute: str = "none", paper_terms: bool = False) -> Num:
+    """Sum of `layer_terms`."""
+    total = 0
+    for v in layer_terms(run, recompute, paper_terms).values():
+        total = total + v
+    return total
+
+
+def first_stage_terms(run: Run) -> dict[str, Num]:
+    """Saved per micro-batch on the first pipeline stage only (the embedding)."""
+    c, tok, tok_sp, _ = _shape(run)
+    # token ids kept by the embedding's backward (int64); Megatron theoretical_memory_usage.py counts 8sb
+    out: dict[str, Num] = {"embedding_input_ids": 8 * tok}
+    if run.dropout > 0:
+        out["embedding_dropout_mask"] = tok_sp * run.model.hidden  # Korthikanti sec. 4.3: sbh/t per micro-batch
+    return out
+
+
+def last_stage_terms(run: Run) -> dict[str, Num]:
+    """Saved per micro-batch on the last stage only: final norm, LM-head input, the loss's fp32 probabilities."""
+    m = run.model
+    c, tok, tok_sp, tok_in = _shape(run)
+    h = m.hidden
+    stats = _fp32_norm_stats(run) * tok_sp
+    return {
+        "final_norm": c * tok_sp * h + stats,
+        "output_layer_input": c * tok_in * h,  # Korthikanti sec. 4.3: 2sbh/t (with SP)
+        # cross-entropy in fp32: the log-softmax (torch) or softmax (Megatron vocab-parallel CE) saved for
+        # backward, s*b*V/t fp32 (Korthikanti sec. 4.3: 4sbv/t); one chunk of it with a chunked loss
+        "loss_logits_fp32": 4 * _loss_fp32_elems(run),
+    }
+
+
+def _logit_elems(run: Run) -> Num:
+    _, tok, _, _ = _shape(run)
+    # vocab-parallel LM head (Megatron pads V to 128*t; params.padded_vocab); uneven split: the biggest shard
+    return tok * cdiv(padded_vocab(run.model, run.profile, run.tp), run.tp)
+
+
+def _loss_fp32_elems(run: Run) -> Num:
+    if run.training.loss == "chunked":
+        _, tok, _, _ = _shape(run)
+        return cdiv(tok, LOSS_CHUNKS) * cdiv(padded_vocab(run.model, run.profile, run.tp), run.tp)
+    return _logit_elems(run)
+
+
+def loss_transients(run: Run) -> tuple[Num, Num]:
+    """(forward, backward) bytes live only around the loss of one micro-batch on the last stage, on top of the
+    saved `loss_logits_fp32`.
+
+    forward: the compute-dtype logits (not saved by autograd: freed after the loss) plus, for torch/deepspeed
+    (HF `ForCausalLMLoss`: `logits.float()` then `cross_entropy`), the fp32 upcast fed to log_softmax. Megatron's
+    vocab-parallel cross-entropy upcasts and turns the copy into the saved softmax in place
+    (megatron/core/tensor_parallel/cross_entropy.py).
+    backward: torch's nll_loss backward makes a dense fp32 gradient of the log-probabilities and log_softmax's
+    backward a second one for the logits while the saved output is still live (2 x 4 bytes); Megatron computes
+    the gradient in place in the saved softmax, then the cast to the compute dtype (c bytes). With a chunked
+    loss the fp32 part is one chunk, but the compute-dtype gradient of all logits is assembled (c bytes).
+    """
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
+    n = _logit_elems(run)
+    n32 = _loss_fp32_elems(run)
+    inplace = run.profile == "megatron"
+    chunked = run.training.loss == "chunked"
+    fwd = c * n + (0 if inplace else 4 * n32)
+    bwd = (c * n if (inplace or chunked) else 0) + (0 if inplace else 8 * n32)
+    return fwd, bwd
+
+
+def every_stage_terms(run: Run, stage: Num) -> dict[str, Num]:
+    """Saved per micro-batch on every stage (besides the layers)."""
+    m = run.model
+    c, tok, tok_sp, _ = _shape(run)
+    out: dict[str, Num] = {}
+    if m.positions == "rotary":
+        # cos and sin, (b, s/cp, d) in the compute dtype, saved by the rotary multiplications of every layer
+        # (HF LlamaRotaryEmbedding computes them once per forward and passes them to all layers)
+        out["rotary_cos_sin"] = 2 * c * tok * m.head_dim
+    if run.profile != "megatron":
+        # torch.distributed.pipelining (`fwd_cache`) and DeepSpeed's PipelineEngine keep each stage's output until
+        # its backward; Megatron frees its data once sent (`deallocate_pipeline_outputs=True`, Korthikanti
+        # appendix B: sbhp on the first stage of 530B)
+        out["pipeline_output"] = where(stage < run.pp - 1, c * tok_sp * m.hidden, 0)
+    return out
+
+
+def cp_ring_transients(run: Run) -> tuple[Num, Num]:
+    """(forward, backward) ring-attention buffers with context parallelism: the K/V block in flight besides the
+    local one (double-buffered send/receive) in forward, and K/V plus their gradients in backward (TE
+    AttnFuncWithCPAndKVP2P; torch context_parallel ring attention). Transient: nothing extra is saved."""
+    m = run.model
+    c, tok, _, _ = _shape(run)
+    kv_local = 2 * c * tok * (m.kv_heads // run.tp) * m.head_dim
+    has = run.cp > 1
+    return where(has, 2 * kv_local, 0), where(has, 4 * kv_local, 0)
+
+
+def in_flight(run: Run, stage: Num) -> Num:
+    """Units of activations held by `stage` at the start of its first backward: micro-batches (1F1B, GPipe) or
+    model chunks of L/(pp*vpp) layers (interleaved)."""
+    m, pp = run.grad_accum, run.pp
+    if run.schedule == "gpipe":
+        return m + 0 * stage  # all forwards before any backward (Huang et al. 2019)
+    if run.schedule == "interleaved":
+        # megatron/core/pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving:
+        # warmup = 2(pp-i-1) + (vpp-1)pp, capped at m*vpp, plus the first steady-state forward; all m*vpp when
+        # m == pp. On stage 0 this is pp*vpp*(1 + (pp-1)/(pp*vpp)) chunks = pp micro-batches' worth of layers times
+        # Korthikanti's factor (sec. 4.2.3; Narayanan et al. 2021 sec. 2.2).
+        v = run.vpp
+        chunks = imin(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v)
+        return where(m == pp, m * v + 0 * stage, chunks)
+    # 1F1B (PipeDream-Flush, Narayanan et al. 2021): pp-i-1 warmup forwards plus one; Megatron schedules.py
+    # forward_backward_pipelining_without_interleaving
+    return imin(m, pp - stage)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageActivations:
+    """Activation bytes on one rank of one pipeline stage at the moments the timeline needs."""
+
+    held_bytes: Num  # saved by all in-flight micro-batches at the end of the last forward before a backward
+    forward_bytes: Num  # held + the forward transient (logits at the loss, or ring-attention K/V)
+    backward_first_bytes: Num  # held + the backward transient, at the start of the stage's first backward
+    backward_later_bytes: Num  # at the start of a later backward (earlier ones have allocated the grads)
+    in_flight: Num  # units held (micro-batches; model chunks when interleaved)
+    detail: dict[str, Num]  # named terms summed over layers and in-flight units; *_transient: extra at a phase
+
+
+def recompute_transient_bytes(run: Run) -> Num:
+    """Bytes re-materialised for one checkpointed layer during its backward (0 without recompute).
+    full: the whole layer's saved activations minus its checkpointed input (the same tensor);
+    selective: the attention core (scores/softmax/dropout for eager; flash's out and log-sum-exp) plus the
+    recomputed attention output."""
+    mode = run.training.recompute
+    if mode == "none":
+        return 0
+    plain = layer_bytes(run, "none")
+    kept = layer_bytes(run, mode)
+    if mode == "full":
+        return plain - kept
+    c, tok, _, _ = _shape(run)
+    return plain - kept + c * tok * (run.model.heads // run.tp) * run.model.head_dim
+
+
+def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
+    """Activations of one rank of pipeline stage `stage` (int or numpy array)."""
+    m = run.model
+    tr = run.training
+    mode = tr.recompute
+    pp = run.pp
+    units = in_flight(run, stage)
+    if run.schedule == "interleaved":
+        unit_layers = m.layers // (pp * run.vpp)  # resolve() checks pp*vpp | L
+        total_units = run.grad_accum * run.vpp
+        n_mb = cdiv(units, run.vpp)  # micro-batches whose embedding / loss terms are held (approximation)
+    else:
+        unit_layers = stage_layers(m, pp, stage)
+        total_units = run.grad_accum
+        n_mb = units
+    # checkpointed layers per unit: `recompute_layers` K per stage (per model chunk when interleaved), the
+    # first K (Megatron --recompute-method block); None = all
+    if mode == "none":
+        ck = 0
+    elif tr.recompute_layers is None:
+        ck = unit_layers
+    else:
+        ck = imin(tr.recompute_layers, unit_layers)
+    plain_layers = unit_layers - ck
+
+    plain = layer_terms(run, "none")
+    detail: dict[str, Num] = {}
+    unit_bytes = 0
+    mult = plain_layers * units
+    for key, v in plain.items():
+        detail[key] = v * mult
+        unit_bytes = unit_bytes + v
+    unit_bytes = unit_bytes * plain_layers
+    remat = 0
+    if mode != "none":
+        kept = layer_terms(run, mode)
+        kept_bytes = 0
+        mult = ck * units
+        for key, v in kept.items():
+            detail[key] = detail.get(key, 0) + v * mult
+            kept_bytes = kept_bytes + v
+        unit_bytes = unit_bytes + ck * kept_bytes
+        remat = where(ck > 0, recompute_transient_bytes(run), 0)
+
+    first = stage == 0
+    last = stage == pp - 1
+    extra = 0
+    for key, v in first_stage_terms(run).items():
+        v = where(first, v, 0)
+        detail[key] = v * n_mb
+        extra = extra + v
+    for key, v in last_stage_terms(run).items():
+        v = where(last, v, 0)
+        detail[key] = v * n_mb
+        extra = extra + v
+    for key, v in every_stage_terms(run, stage).items():
+        detail[key] = v * n_mb
+        extra = extra + v
+
+    held = units * unit_bytes + n_mb * extra
+    # one backward frees one unit: a micro-batch (its layers and extras), or one model chunk when interleaved
+    freed = unit_bytes if run.schedule == "interleaved" else unit_bytes + extra
+    later_units = imin(units, total_units - 1)  # held when a later backward starts (steady state or drain)
+    held_later = held - (units - later_units) * freed
+
+    loss_fwd, loss_bwd = loss_transients(run)
+    loss_fwd = where(last, loss_fwd, 0)
+    loss_bwd = where(last, loss_bwd, 0)
+    ring_fwd, ring_bwd = cp_ring_transients(run)
+    # different moments: the loss comes after the last layer's attention in forward and before the first
+    # layer's backward; the ring buffers live inside a layer's attention (with its recompute)
+    fwd_tr = imax(loss_fwd, ring_fwd)
+    bwd_tr = imax(loss_bwd, remat + ring_bwd)
+    detail["logits_forward_transient"] = loss_fwd
+    detail["logits_grad_transient"] = loss_bwd
+    detail["recompute_transient"] = remat
+    detail["cp_ring_kv_transient"] = ring_bwd
+    return StageActivations(
+        held_bytes=held,
+        forward_bytes=held + fwd_tr,
+        backward_first_bytes=held + bwd_tr,
+        backward_later_bytes=held_later + where(total_units > 1, bwd_tr, 0),
+        in_flight=units,
+        detail=detail,
+    )

@@ -1,0 +1,207 @@
+"""A small decoder-only transformer built from a `ModelSpec`: the layer the `torch` profile describes.
+
+Op by op (what autograd saves is what the activation model must count; see docs/validation.md):
+- embedding `tok` (V x h), optional learned positions `pos` (max_positions x h), added;
+- per block: `norm1` (nn.RMSNorm / nn.LayerNorm) -> q, k, v (separate nn.Linear, GQA-sized k/v) -> rotary on q, k
+  (rotate-half form, cos/sin computed in the forward in the activation dtype) -> attention core (SDPA with
+  is_causal and enable_gqa for `flash`; matmul + causal mask + softmax + matmul for `eager`, k/v repeated for
+  GQA) -> o -> residual add -> `norm2` -> MLP (SwiGLU: down(silu(gate(x)) * up(x)); GELU: proj(gelu_tanh(fc(x))))
+  -> residual add; dropout (when > 0) after o, after the MLP and on the attention probabilities;
+- final norm, LM head (tied: shares `tok.weight`), logits in the compute dtype; the loss upcasts them to fp32
+  (`loss_fn`).
+q/k/v and gate/up are separate matrices so that DTensor's ColwiseParallel shards each along its output features;
+the attention reshapes use -1 for the head count so that the same code runs on a TP shard.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from memcalc.specs import ModelSpec
+
+
+def _norm(m: ModelSpec) -> nn.Module:
+    if m.norm == "rmsnorm":
+        return nn.RMSNorm(m.hidden, eps=1e-6)
+    return nn.LayerNorm(m.hidden, eps=1e-5)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_cos_sin(seq: int, dim: int, device: Any, dtype: torch.dtype, base: float = 10000.0):
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    t = torch.arange(seq, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, m: ModelSpec, kernel: str, dropout: float, selective: bool):
+        super().__init__()
+        h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
+        self.d, self.rep = d, a // g
+        self.rotary = m.positions == "rotary"
+        self.kernel, self.dropout, self.selective = kernel, dropout, selective
+        self.q = nn.Linear(h, a * d, bias=m.qkv_bias)
+        self.k = nn.Linear(h, g * d, bias=m.qkv_bias)
+        self.v = nn.Linear(h, g * d, bias=m.qkv_bias)
+        self.o = nn.Linear(a * d, h, bias=m.linear_bias)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        if self.kernel == "flash":
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.rep > 1)
+        if self.rep > 1:
+            k = k.repeat_interleave(self.rep, dim=1)
+            v = v.repeat_interleave(self.rep, dim=1)
+        s = q.shape[-2]
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.d)
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        if p:
+            probs = F.dropout(probs, p)
+        return torch.matmul(probs, v)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, -1, self.d).transpose(1, 2)
+        k = self.k(x).view(b, s, -1, self.d).transpose(1, 2)
+        v = self.v(x).view(b, s, -1, self.d).transpose(1, 2)
+        if self.rotary:
+            cos, sin = rotary_cos_sin(s, self.d, x.device, q.dtype)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        if self.selective:
+            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            y = self._core(q, k, v)
+        y = y.transpose(1, 2).reshape(b, s, -1)
+        y = self.o(y)
+        if self.dropout and self.training:
+            y = F.dropout(y, self.dropout)
+        return y
+
+
+class MLP(nn.Module):
+    def __init__(self, m: ModelSpec, dropout: float):
+        super().__init__()
+        self.gated = m.mlp == "swiglu"
+        self.dropout = dropout
+        if self.gated:
+            self.gate = nn.Linear(m.hidden, m.ffn, bias=m.linear_bias)
+            self.up = nn.Linear(m.hidden, m.ffn, bias=m.linear_bias)
+        else:
+            self.up = nn.Linear(m.hidden, m.ffn, bias=m.linear_bias)
+        self.down = nn.Linear(m.ffn, m.hidden, bias=m.linear_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            y = self.down(F.silu(self.gate(x)) * self.up(x))
+        else:
+            y = self.down(F.gelu(self.up(x), approximate="tanh"))
+        if self.dropout and self.training:
+            y = F.dropout(y, self.dropout)
+        return y
+
+
+class Block(nn.Module):
+    def __init__(self, m: ModelSpec, kernel: str, dropout: float, selective: bool):
+        super().__init__()
+        self.norm1 = _norm(m)
+        self.attn = Attention(m, kernel, dropout, selective)
+        self.norm2 = _norm(m)
+        self.mlp = MLP(m, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Embed(nn.Module):
+    def __init__(self, m: ModelSpec, dropout: float):
+        super().__init__()
+        self.tok = nn.Embedding(m.vocab, m.hidden)
+        self.pos = nn.Embedding(m.max_positions, m.hidden) if m.positions == "learned" else None
+        self.dropout = dropout
+        self.seq_shard: tuple[int, int] | None = None  # (rank, size) under sequence parallelism
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens)
+        if self.pos is not None:
+            s = tokens.shape[1]
+            pos = self.pos.weight[:s]
+            if self.seq_shard is not None:  # the token embedding came out sharded along the sequence
+                r, n = self.seq_shard
+                pos = pos.chunk(n, dim=0)[r]
+            x = x + pos
+        if self.dropout and self.training:
+            x = F.dropout(x, self.dropout)
+        return x
+
+
+class Head(nn.Module):
+    def __init__(self, m: ModelSpec):
+        super().__init__()
+        self.norm = _norm(m)
+        self.out = nn.Linear(m.hidden, m.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+class Checkpointed(nn.Module):
+    """Full recompute of one block: non-reentrant torch.utils.checkpoint around it."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+class GPT(nn.Module):
+    """embed -> blocks -> head. Any part may be None on a pipeline stage that does not hold it."""
+
+    def __init__(self, m: ModelSpec, kernel: str = "flash", dropout: float = 0.0, recompute: str = "none",
+                 recompute_layers: int | None = None):
+        super().__init__()
+        n_ckpt = m.layers if recompute_layers is None else recompute_layers
+        self.embed: nn.Module | None = Embed(m, dropout)
+        blocks = []
+        for i in range(m.layers):
+            blk = Block(m, kernel, dropout, selective=recompute == "selective" and i < n_ckpt)
+            blocks.append(Checkpointed(blk) if recompute == "full" and i < n_ckpt else blk)
+        self.layers = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+        self.head: nn.Module | None = Head(m)
+        if m.tied_embeddings:
+            self.head.out.weight = self.embed.tok.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for blk in self.layers.values():
+            x = blk(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+
+def inner_block(blk: nn.Module) -> Block:
+    return blk.block if isinstance(blk, Checkpointed) else blk
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over fp32 logits (the `full` loss: the fp32 upcast is a real transient)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
