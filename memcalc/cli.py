@@ -31,6 +31,7 @@ _T = "Training"
 _P = "Parallelism"
 _H = "Hardware"
 _O = "Output"
+_I = "Import a framework's config"
 _F = "Fine-tuning"
 
 
@@ -50,6 +51,18 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "kv_heads": (Optional[int], None, _opt("--kv-heads", help="Override the KV heads (GQA/MQA).", panel=_M)),
     "ffn": (Optional[int], None, _opt("--ffn", help="Override the MLP intermediate size.", panel=_M)),
     "vocab": (Optional[int], None, _opt("--vocab", help="Override the vocabulary size.", panel=_M)),
+    "mlp": (Optional[str], None, _opt("--mlp", help="MLP: swiglu (3 matrices) | gelu (2).", panel=_M)),
+    "norm": (Optional[str], None, _opt("--norm", help="Norm: rmsnorm | layernorm (weight and bias).", panel=_M)),
+    "tied_embeddings": (Optional[bool], None, _opt("--tied-embeddings/--untied-embeddings", help="LM head shares "
+                        "the embedding weight.", panel=_M, show_default=False)),
+    "positions": (Optional[str], None, _opt("--positions", help="Positions: rotary | learned (a table of "
+                  "--max-positions rows).", panel=_M)),
+    "bias": (Optional[bool], None, _opt("--bias/--no-bias", help="Biases on every linear layer (QKV included).",
+             panel=_M, show_default=False)),
+    "qkv_bias": (Optional[bool], None, _opt("--qkv-bias/--no-qkv-bias", help="Biases on Q, K, V only.", panel=_M,
+                 show_default=False)),
+    "max_positions": (Optional[int], None, _opt("--max-positions", help="Rows of a learned position table "
+                      "(default: --seq).", panel=_M)),
     "seq": (int, 4096, _opt("--seq", help="Sequence length (tokens).", panel=_T)),
     "micro_batch": (int, 1, _opt("--micro-batch", "--mb", help="Sequences per micro-batch per GPU.", panel=_T)),
     "global_batch": (Optional[int], None, _opt("--global-batch", help="Sequences per optimizer step (sets "
@@ -123,6 +136,14 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "memory": (Optional[str], None, _opt("--memory", help="Override GPU memory capacity (e.g. 80GiB).", panel=_H)),
     "runtime_overhead": (Optional[str], None, _opt("--runtime-overhead", help="Memory outside the allocator (CUDA "
                          "context, NCCL), e.g. 1GiB.", panel=_H)),
+    "deepspeed_config": (Optional[str], None, _opt("--deepspeed-config", help="Read a DeepSpeed ds_config.json "
+                         "(ZeRO stage, offload, precision, batch sizes); sets --profile deepspeed. Flags given "
+                         "here win.", panel=_I)),
+    "megatron_args": (Optional[str], None, _opt("--megatron-args", help="Read Megatron-LM arguments: a launch "
+                      "script / argument file, or a quoted string of --flags; sets --profile megatron.", panel=_I)),
+    "torchtitan_config": (Optional[str], None, _opt("--torchtitan-config", help="Read a torchtitan job TOML "
+                          "(model flavour, parallelism, batch, activation checkpointing); profile torch.",
+                          panel=_I)),
 }
 
 
@@ -148,8 +169,34 @@ def with_options(options: dict[str, tuple[Any, Any, Any]]) -> Callable[[Callable
     return deco
 
 
+def _explicit_options() -> set[str] | None:
+    """The RUN_OPTIONS the user typed (click's parameter source), or None outside a command."""
+    try:
+        from typer._click.globals import get_current_context  # type: ignore[import-not-found]
+    except ImportError:  # typer with the external click package
+        from click import get_current_context
+    ctx = get_current_context(silent=True)
+    if ctx is None:
+        return None
+    out = set()
+    for name in RUN_OPTIONS:
+        src = ctx.get_parameter_source(name)
+        if src is not None and src.name in ("COMMANDLINE", "ENVIRONMENT", "PROMPT"):
+            out.add(name)
+    return out
+
+
 def run_options_from(kwargs: dict[str, Any]) -> RunOptions:
-    return RunOptions(**{k: kwargs[k] for k in RUN_OPTIONS if k in kwargs})
+    """RunOptions from a command's keyword arguments, with --deepspeed-config / --megatron-args /
+    --torchtitan-config merged in (flags typed on the command line win; `.import_report` says what happened)."""
+    opts = RunOptions(**{k: kwargs[k] for k in RUN_OPTIONS if k in kwargs})
+    from memcalc.options import IMPORT_FIELDS
+
+    if any(getattr(opts, f) for f in IMPORT_FIELDS):
+        from memcalc.importers import apply_imports
+
+        opts = apply_imports(opts, _explicit_options())
+    return opts
 
 
 def _stage_arg(stage: str | None, pp: int) -> int | None:
@@ -182,6 +229,17 @@ def estimate(
                                                  "last | worst | N.", rich_help_panel=_O)] = None,
     check: Annotated[bool, typer.Option("--check", help="Exit 1 when the configuration does not fit (CI gate).",
                                         rich_help_panel=_O)] = False,
+    fmt: Annotated[Optional[str], typer.Option("--format", help="table | json | markdown | csv (--json = --format "
+                                               "json).", rich_help_panel=_O)] = None,
+    min_headroom: Annotated[Optional[str], typer.Option("--min-headroom", help="With --check (implied): also exit 1 "
+                                                        "when less than this is left, e.g. 5GiB or 10%.",
+                                                        rich_help_panel=_O)] = None,
+    sweep: Annotated[Optional[str], typer.Option("--sweep", help="KEY=V1,V2,...: one estimate per value (keys: "
+                                                 "micro-batch, seq, gpus, dp, tp, pp, cp, zero, recompute, offload, "
+                                                 "precision, ...).", rich_help_panel=_O)] = None,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Write a PNG of memory per component (per swept "
+                                                "value) with the capacity line; needs matplotlib (memcalc[plot]).",
+                                                rich_help_panel=_O)] = None,
     **kwargs: Any,
 ) -> None:
     """Per-GPU memory (params, grads, optimizer, activations, buffers, fragmentation), communication and step
@@ -189,17 +247,38 @@ def estimate(
     from memcalc.cost.estimate import estimate as run_estimate
     from memcalc.options import build_run, check_choice
 
-    units = check_choice("units", units) or "GiB"
-    run = build_run(run_options_from(kwargs))
-    est = run_estimate(run, stage=_stage_arg(stage, run.pp))
-    if json_out:
-        sys.stdout.write(est.model_dump_json(indent=2) + "\n")
-    else:
-        from memcalc.report.table import render_estimate
+    from memcalc.report import formats
 
-        render_estimate(est, run, units=units, explain=explain)
-    if check and not est.memory.fits:
-        raise typer.Exit(1)
+    units = check_choice("units", units) or "GiB"
+    out_fmt = formats.output_format(fmt, json_out)
+    room = formats.Headroom(min_headroom) if min_headroom is not None else None
+    opts = run_options_from(kwargs)
+    if sweep is not None:
+        from memcalc.sweep import emit_sweep, run_sweep
+
+        points = run_sweep(opts, sweep, stage_of=lambda pp: _stage_arg(stage, pp))
+        results = [p.estimate for p in points if p.estimate is not None]
+        failed = any(p.error for p in points)
+    else:
+        run = build_run(opts)
+        est = formats.attach_import_report(run_estimate(run, stage=_stage_arg(stage, run.pp)), opts.import_report)
+        points, results, failed = None, [est], False
+    if plot is not None:
+        from memcalc.plot import plot_points
+        from memcalc.sweep import SweepPoint
+
+        plot_points(points or [SweepPoint(key="", field="", value="", estimate=results[0])], plot, units)
+    if points is not None:
+        emit_sweep(points, out_fmt, units)
+    else:
+        formats.emit_estimate(results[0], run, out_fmt, units, explain)
+    if check or room is not None:
+        reasons = [r for ok, r in (formats.check_estimate(e, room, units) for e in results) if not ok]
+        if failed:
+            reasons.append("a swept value is not a valid configuration")
+        if reasons:
+            sys.stderr.write(f"memcalc: check failed: {reasons[0]}\n")
+            raise typer.Exit(1)
 
 
 presets_app = typer.Typer(help="List the model and GPU presets, or show one.", no_args_is_help=False,
@@ -225,6 +304,14 @@ def presets_show(name: Annotated[str, typer.Argument(help="A model or GPU preset
     from memcalc.report.presets import render_preset
 
     render_preset(name, json_out=json_out)
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON schema of `memcalc estimate --json` (a copy lives in docs/schema/estimate.schema.json)."""
+    from memcalc.report.formats import estimate_schema_json
+
+    sys.stdout.write(estimate_schema_json())
 
 
 def _register_optional_commands() -> None:

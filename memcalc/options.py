@@ -212,7 +212,8 @@ def build_model(o: RunOptions) -> tuple[ModelSpec, str | None]:
         data: dict[str, Any] = {"name": "custom", **overrides}
     else:
         data = model.model_dump()
-        if overrides.get("positions") == "learned" and not data.get("max_positions") and "max_positions" not in overrides:
+        if (overrides.get("positions") == "learned" and not data.get("max_positions")
+                and "max_positions" not in overrides):
             overrides["max_positions"] = o.seq
         data.update(overrides)
         if "heads" in overrides and "kv_heads" not in overrides:

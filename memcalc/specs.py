@@ -119,6 +119,17 @@ class TrainingSpec(_Frozen):
     base_dtype: BaseDtype | None = None  # storage of frozen base weights; None: the compute dtype
     double_quant: bool = True  # QLoRA double quantization of the nf4 block scales
     freeze: tuple[str, ...] = ()  # "embeddings", "head", "layers:K" (the first K layers)
+    # framework buffer knobs (None: the framework's documented default; see memcalc/cost/buffers.py)
+    bucket_cap_mb: float | None = Field(default=None, gt=0)  # DDP bucket_cap_mb
+    gradient_as_bucket_view: bool | None = None  # DDP
+    overlap_comm: bool | None = None  # DeepSpeed zero_optimization.overlap_comm
+    contiguous_gradients: bool | None = None  # DeepSpeed
+    reduce_bucket_size: int | None = Field(default=None, ge=1)  # DeepSpeed, elements
+    allreduce_bucket_size: int | None = Field(default=None, ge=1)  # DeepSpeed ZeRO-0, elements
+    allgather_bucket_size: int | None = Field(default=None, ge=1)  # DeepSpeed ZeRO-1/2, elements
+    stage3_prefetch_bucket_size: int | None = Field(default=None, ge=0)  # DeepSpeed ZeRO-3, elements
+    stage3_max_live_parameters: int | None = Field(default=None, ge=0)
+    stage3_max_reuse_distance: int | None = Field(default=None, ge=0)
     # batch-size guidance: learning rate under linear / square-root scaling from a reference run
     base_lr: float | None = Field(default=None, gt=0)
     base_batch: int | None = Field(default=None, ge=1)

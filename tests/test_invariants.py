@@ -22,7 +22,10 @@ def test_higher_zero_stage_never_raises_per_gpu_bytes(model, profile, precision,
     for z in range(4):
         r = run_of(model=model, profile=profile, precision=precision, optimizer=opt, zero=z, gpus=dp * tp, tp=tp)
         states = model_states(r).total
-        peak = estimate(r, advice=False).memory.peak_bytes
+        # Framework buffers may legitimately grow with the stage (DDP -> FSDP2, DeepSpeed's fixed 5e8-element
+        # buckets): the invariant is on everything else live at each phase's peak.
+        mem = estimate(r, advice=False).memory
+        peak = max(ph.allocated_bytes - ph.live["buffers"] for ph in mem.phases)
         if prev_states is not None:
             assert states <= prev_states
             assert peak <= prev_peak, (z, peak, prev_peak)

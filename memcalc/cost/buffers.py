@@ -1,13 +1,71 @@
-"""Buffers and temporaries per profile (placeholder until the buffer model lands)."""
+"""Communication buffers, working sets and temporaries per framework profile. DESIGN.md section 4, "Buffers and
+overheads"; derivations and sources in docs/methodology-buffers.md.
+
+`stage_buffers(run, stage)` returns named `Buffer`s for one rank of pipeline stage `stage`: bytes held on the GPU
+(inside the caching allocator, i.e. counted by `torch.cuda.max_memory_allocated`) that are neither model states
+(memcalc/cost/states.py) nor saved activations (memcalc/cost/activations.py). `Buffer.phases` names the phases at
+whose peak moment the buffer is live:
+- "forward": the end of the forward pass (all saved activations live);
+- "backward": the backward peak, which memcalc places at the start of backward (activations still live, the first
+  gradients and the largest unit's working set being produced);
+- "optimizer": the optimizer step, which also stands for the moment just before it (end of backward: every gradient
+  live, activations freed), where the end-of-backward reduction buffers sit.
+
+Nothing here double counts model states: Megatron's contiguous fp32 grad buffer and DeepSpeed's fp32 gradient
+partitions (the "fused fp32 gradient buffer" of the ZeRO paper, sec. 3.2) are already `grads` / `grads_fp32` in
+states.py, and the distributed optimizer all-gathers parameters in place into its parameter buffer.
+
+Array-polymorphic like the rest of the cost model: the numeric layout fields of `run` and `stage` may be numpy
+arrays; only categorical fields (profile, ZeRO stage, recompute, optimizer, offload) are branched on with `if`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from memcalc.specs import Run
+from memcalc.cost.params import (
+    embedding_params,
+    head_params,
+    layer_params,
+    matrix_shapes,
+    norm_params,
+    shape_params,
+    stage_param_split,
+    stage_params,
+)
+from memcalc.cost.states import model_states
+from memcalc.specs import DTYPE_BYTES, Run
+from memcalc.xp import cdiv, imax, imin, where
 
 Num = Any
+
+ALL_PHASES: frozenset[str] = frozenset({"forward", "backward", "optimizer"})
+FWD_BWD: frozenset[str] = frozenset({"forward", "backward"})
+BACKWARD: frozenset[str] = frozenset({"backward"})
+OPTIMIZER: frozenset[str] = frozenset({"optimizer"})
+
+MiB = 1 << 20
+
+# --- framework defaults (each overridable by a same-named field on TrainingSpec once one exists; see _knob) ---
+# torch DDP: bucket_cap_mb=25, first bucket 1 MiB (torch/nn/parallel/distributed.py, reducer.hpp
+# kDefaultBucketBytesCap / kDefaultFirstBucketBytes). Bucket sizes change the number of buckets, not their total.
+DDP_GRADIENT_AS_BUCKET_VIEW = False
+# DeepSpeed runtime/zero/config.py DeepSpeedZeroConfig defaults (elements, not bytes).
+DS_REDUCE_BUCKET_SIZE = 500_000_000
+DS_ALLGATHER_BUCKET_SIZE = 500_000_000
+DS_ALLREDUCE_BUCKET_SIZE = 500_000_000  # runtime/constants.py ALLREDUCE_BUCKET_SIZE_DEFAULT (ZeRO disabled)
+DS_PREFETCH_BUCKET_SIZE = 50_000_000  # stage3_prefetch_bucket_size
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters
+DS_MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance
+DS_CONTIGUOUS_GRADIENTS = True
+# cuBLAS workspace per (handle, stream): 4096 KiB x 8 on sm90+ (aten/src/ATen/cuda/CublasHandlePool.cpp
+# parseChosenWorkspaceSize; 4096 KiB x 2 + 16 KiB x 8 = 8.125 MiB before Hopper). Modelled for Hopper and later.
+CUBLAS_WORKSPACE_BYTES = 32 * MiB
+# TransformerEngine pytorch/module/base.py get_cublas_workspace_size_bytes(): 32 MiB on sm90+ (4 MiB before);
+# get_multi_stream_cublas_workspace(): one more per cuBLAS stream (4) for grouped GEMM (MoE).
+TE_WORKSPACE_BYTES = 32 * MiB
+TE_GROUPED_GEMM_STREAMS = 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -17,5 +75,314 @@ class Buffer:
     note: str = ""
 
 
+def _knob(run: Run, name: str, default: Any) -> Any:
+    """A framework setting: the TrainingSpec field of that name when present and set, else the default."""
+    value = getattr(run.training, name, None)
+    return default if value is None else value
+
+
+def _scaled(run: Run, x: Num) -> Num:
+    """Apply `--params N` scaling exactly as params.stage_params / largest_unit_params do."""
+    m = run.model
+    if m.params_override is None:
+        return x
+    return (x * m.params_override) // shape_params(m)
+
+
+def stage_units(run: Run, stage: Num) -> tuple[Num, Num]:
+    """(largest, layer): unsharded parameters per TP rank of the largest FSDP / ZeRO-3 unit held by this stage
+    (a transformer layer, the embedding on the first stage, final norm + LM head on the last) and of one layer.
+    With pp = 1 `largest` equals params.largest_unit_params (the tied head shares the embedding's unit)."""
+    m = run.model
+    tp = run.tp
+    dense_l, expert_l = layer_params(m, tp, run.ep)
+    layer = dense_l + expert_l
+    emb = embedding_params(m, run.profile, tp)
+    head = head_params(m, run.profile, tp) + norm_params(m)
+    first = stage == 0
+    last = stage == run.pp - 1
+    if m.tied_embeddings:
+        # one shared matrix when first and last stage are the same rank (params.stage_params)
+        head_unit = where(first, 0, head)
+    else:
+        head_unit = head
+    largest = imax(layer, imax(where(first, emb, 0), where(last, head_unit, 0)))
+    return _scaled(run, largest), _scaled(run, layer)
+
+
+def _stage_elems(run: Run, stage: Num) -> Num:
+    dense, expert = stage_params(run, stage)
+    return dense + expert
+
+
+def _shard_elems(run: Run, stage: Num) -> Num:
+    """All elements (trainable and frozen) of this rank's FSDP shard."""
+    dense, expert = stage_params(run, stage)
+    d = run.shard_degree
+    return cdiv(dense, d) + cdiv(expert, d // run.ep)
+
+
+def _trainable_elems(run: Run, stage: Num) -> Num:
+    """Elements that receive gradients (LoRA adapters only, or all but --freeze'd parts): params.stage_param_split."""
+    return stage_param_split(run, stage).trainable
+
+
+def _trainable_shard_elems(run: Run, stage: Num) -> Num:
+    """Trainable elements of this rank's ZeRO/FSDP shard (as states.model_states shards them)."""
+    split = stage_param_split(run, stage)
+    d = run.shard_degree
+    return cdiv(split.trainable_dense, d) + cdiv(split.trainable_expert, d // run.ep)
+
+
+def _matmul_weight_elems(run: Run, stage: Num) -> Num:
+    """Parameters of the stage that autocast casts for matmuls: everything but the input embedding, whose lookup
+    is not an autocast op (aten/src/ATen/autocast_mode.cpp lists no embedding among the lower-precision ops).
+    Norm weights are included (they are < 0.01% of a layer)."""
+    emb = _scaled(run, embedding_params(run.model, run.profile, run.tp))
+    return _stage_elems(run, stage) - where(stage == 0, emb, 0)
+
+
+def _te_dummy_wgrad_elems(run: Run) -> Num:
+    """One dummy wgrad per distinct weight shape: TE caches `get_dummy_wgrad(shape, dtype)` per (shape, dtype)
+    (transformer_engine/pytorch/module/base.py) and every layer has the same fused qkv, proj, fc1 and fc2 shapes,
+    so the cache holds one layer's linear weights (per TP rank). Shapes come from the model's dimensions (not
+    scaled by `--params`)."""
+    total = 0
+    for rows, cols, count in matrix_shapes(run.model, run.tp):
+        total = total + rows * cols * count
+    return total
+
+
+def _foreach_temporaries(run: Run, stage: Num) -> dict[str, Buffer]:
+    """torch/optim/adam.py `_multi_tensor_adam` (torch >= 2.1): `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`
+    allocates one tensor per parameter stepped (moment dtype), then updates it in place; AdamW decays weights in
+    place, Adam's L2 decay (`weight_decay != 0`, default 0) would add a grad copy. All tensors of one device/dtype
+    group are stepped at once, so the list covers every element this rank steps."""
+    if not run.recipe.foreach or run.offload != "none" or run.dp_mode == "ps":
+        return {}  # offloaded optimizer or parameter server: the step does not run on this GPU
+    if run.training.optimizer not in ("adam", "adamw"):
+        return {}
+    elems = _trainable_shard_elems(run, stage) if run.zero >= 1 else _trainable_elems(run, stage)
+    mb = DTYPE_BYTES[run.recipe.moment_dtype]
+    return {
+        "foreach_adam_temporaries": Buffer(
+            mb * elems, OPTIMIZER, "foreach Adam's sqrt(v) intermediate list, one per stepped parameter"
+        )
+    }
+
+
+def _workspaces(run: Run) -> dict[str, Buffer]:
+    out = {
+        # forward runs on the Python thread, backward on autograd's device thread: two cuBLAS handles, each with
+        # its own workspace on the compute stream (CublasHandlePool.cpp keys workspaces by (handle, stream)).
+        "cublas_workspaces": Buffer(2 * CUBLAS_WORKSPACE_BYTES, ALL_PHASES, "cuBLAS workspaces (fwd and bwd threads)"),
+    }
+    if run.profile == "megatron":
+        te = TE_WORKSPACE_BYTES
+        if run.model.moe is not None:
+            te += TE_GROUPED_GEMM_STREAMS * TE_WORKSPACE_BYTES
+        out["te_cublas_workspace"] = Buffer(te, ALL_PHASES, "TransformerEngine cuBLAS workspace(s)")
+    return out
+
+
+def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
+    """AMP autocast: each weight is cast once per forward (autocast weight cache) and the low-precision copy is
+    saved by the matmul for its backward, freed as backward passes each op. Under full recompute the saved copies
+    are dropped when the autocast region exits and re-cast one layer at a time. Autocast casts fp32 tensors only:
+    LoRA's frozen base is already stored in the compute dtype (states.frozen_bytes), so only the fp32 adapters are
+    cast; --freeze keeps fp32 weights, all cast."""
+    cb = DTYPE_BYTES[run.recipe.compute_dtype]
+    phases = frozenset({"forward"}) if run.training.recompute == "full" else FWD_BWD
+    elems = n_train if run.training.lora_rank is not None else _matmul_weight_elems(run, stage)
+    return Buffer(cb * elems, phases, "autocast low-precision copies of the weights")
+
+
+def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
+    r = run.recipe
+    d = run.shard_degree
+    n = _stage_elems(run, stage)
+    n_train = _trainable_elems(run, stage)
+    cb = DTYPE_BYTES[r.compute_dtype]
+    gb = DTYPE_BYTES[r.grad_dtype]
+    out: dict[str, Buffer] = {}
+    if run.zero <= 1:
+        # DDP (ZeRO-1 = ZeroRedundancyOptimizer over DDP). reducer.cpp initialize_buckets: every bucket gets
+        # `bucket.gradients = at::empty({numel of its params}, param options)`; the buckets cover every parameter
+        # that requires grad, so together they are a persistent copy of the grads (rebuilt after the first step,
+        # validation-findings: 4P for fp32, live in all phases). gradient_as_bucket_view=True makes the grads views
+        # of the buckets instead (no extra copy). ZeroRedundancyOptimizer broadcasts parameters in place
+        # (`_broadcast_params_from_rank`: param.data or its bucket view): no extra buffer. Parameter-server and
+        # nn.DataParallel modes (dp_mode != "collective") have no DDP reducer; one rank (shard group 1) no DDP.
+        if run.dp_mode == "collective" and not _knob(run, "gradient_as_bucket_view", DDP_GRADIENT_AS_BUCKET_VIEW):
+            out["ddp_buckets"] = Buffer(
+                where(d > 1, gb * n_train, 0), ALL_PHASES, "DDP gradient buckets: a persistent flat copy of the grads"
+            )
+        if r.compute_copy:
+            out["amp_weight_casts"] = _amp_casts(run, stage, n_train)
+        return out
+    # FSDP2 fully_shard. _fsdp_collectives.py: foreach_all_gather allocates the unit's flat all-gather output
+    # (param_dtype), copy-out fills the unsharded parameters; the next unit's all-gather is issued while the current
+    # one computes (implicit forward prefetch, explicit backward prefetch of 1). foreach_reduce copies the unit's
+    # unsharded grads (param_dtype) into a reduce-scatter input of reduce_dtype, then frees them.
+    # With a shard group of one rank nothing is wrapped (torchtitan applies fully_shard only when dp_shard > 1 and
+    # uses autocast otherwise), so the FSDP terms apply where dp*cp > 1 and the AMP casts where it is 1.
+    sharded = d > 1
+    largest, layer = stage_units(run, stage)
+    rb = gb  # reduce dtype = the sharded grad dtype (MixedPrecisionPolicy(reduce_dtype=fp32) under AMP)
+    if run.zero == 2:
+        # reshard_after_forward=False: every unit stays unsharded from its forward to its post-backward, on top of
+        # the resident sharded parameters (pb x shard). states.py counts the parameters of ZeRO-2 unsharded
+        # (pb x n, ZeRO semantics); only what exceeds that is added here, so the total is right whichever way
+        # states.py counts them: extra = pb*shard + cb*n - (params states.py holds), never below 0.
+        held = model_states(run, stage).params
+        resident = DTYPE_BYTES[r.param_dtype] * _shard_elems(run, stage)
+        out["fsdp_unsharded_params"] = Buffer(
+            where(sharded, imax(resident + cb * n - held, 0), 0),
+            FWD_BWD,
+            "FSDP2 reshard_after_forward=False: unsharded params of the stage beyond the resident ones",
+        )
+        out["fsdp_allgather_prefetch"] = Buffer(
+            where(sharded, cb * layer, 0), frozenset({"forward"}), "all-gather output of the next unit (prefetch)"
+        )
+    else:
+        out["fsdp_unsharded_params"] = Buffer(
+            where(sharded, cb * (largest + layer), 0), FWD_BWD, "FSDP2 unsharded current unit + prefetched next unit"
+        )
+    # only trainable parameters produce gradients (LoRA / --freeze): scale the unit by the trainable share
+    grad_unit = (largest * n_train) // imax(n, 1)
+    out["fsdp_unsharded_grads"] = Buffer(
+        where(sharded, cb * grad_unit, 0), BACKWARD, "unsharded grads of a unit before its reduce-scatter"
+    )
+    out["fsdp_reduce_scatter"] = Buffer(
+        where(sharded, rb * grad_unit, 0), BACKWARD, "reduce-scatter input of a unit (reduce dtype)"
+    )
+    if r.compute_copy:
+        casts = _amp_casts(run, stage, n_train)
+        out["amp_weight_casts"] = Buffer(where(sharded, 0, casts.bytes), casts.phases, casts.note + " (no FSDP)")
+    return out
+
+
+def _megatron_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
+    # The contiguous grad buffer (_ParamAndGradBuffer, fp32 main_grad) is `grads` in states.py; the distributed
+    # optimizer reduce-scatters and all-gathers in place in the grad and param buffers (no extra copy).
+    # TransformerEngine with gradient-accumulation fusion accumulates wgrad into main_grad and hands autograd a
+    # cached dummy wgrad per weight shape (SimuMax measured ~2 GiB of these on a 70B-wide stage).
+    pb = DTYPE_BYTES[run.recipe.param_dtype]
+    if run.training.lora_rank is not None:
+        return {}  # frozen base weights compute no wgrad; adapters are not TE linears
+    return {
+        "te_dummy_wgrads": Buffer(
+            pb * _te_dummy_wgrad_elems(run), ALL_PHASES, "TE dummy wgrad cache, one per weight shape"
+        )
+    }
+
+
+def _deepspeed_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
+    r = run.recipe
+    d = run.shard_degree
+    n = _stage_elems(run, stage)
+    pb = DTYPE_BYTES[r.param_dtype]  # DeepSpeed's `self.dtype`: the low-precision parameter dtype
+    gb = DTYPE_BYTES[r.grad_dtype]
+    out: dict[str, Buffer] = {}
+    z = run.zero
+    overlap = _knob(run, "overlap_comm", z == 3)  # zero/config.py overlap_comm_valid: True only for stage 3
+    contiguous = _knob(run, "contiguous_gradients", DS_CONTIGUOUS_GRADIENTS)
+    reduce_bucket = _knob(run, "reduce_bucket_size", DS_REDUCE_BUCKET_SIZE)
+    if z == 0:
+        # engine.allreduce_gradients -> buffered_allreduce_fallback: grads flattened into buckets of up to
+        # allreduce_bucket_size elements, all-reduced and copied back, at the end of backward.
+        bucket = _knob(run, "allreduce_bucket_size", DS_ALLREDUCE_BUCKET_SIZE)
+        out["allreduce_bucket"] = Buffer(
+            where(d > 1, gb * imin(n, bucket), 0), OPTIMIZER, "flattened all-reduce bucket (end of backward)"
+        )
+    elif z in (1, 2):
+        # stage_1_and_2.py backward(): with contiguous_gradients, ipg_buffer = [torch.empty(reduce_bucket_size,
+        # dtype=self.dtype)] (+ a second one when overlap_comm), allocated at backward start, released by
+        # _release_ipg_buffers at the end of backward. Not clamped to the model size. The all-gather of updated
+        # params after the step works in place on the flat fp16 partitions (allgather_bucket_size only chunks it).
+        if contiguous:
+            count = 2 if overlap else 1
+            out["zero_ipg_buffers"] = Buffer(
+                count * pb * reduce_bucket, BACKWARD, f"{count} x reduce_bucket_size gradient bucket(s)"
+            )
+    else:
+        largest, _layer = stage_units(run, stage)
+        cb = pb
+        # DeepSpeed's own estimator (estimate_zero3_model_states_mem_needs): largest_layer_memory =
+        # 4 * largest_layer_params, i.e. the unsharded fp16 param + fp16 grad of the largest layer.
+        out["zero3_largest_layer"] = Buffer(
+            2 * cb * largest, FWD_BWD, "unsharded params + grads of the largest layer (DeepSpeed estimator)"
+        )
+        # stage3.py _setup_for_real_optimizer: __ipg_bucket_flat_buffer = torch.empty(reduce_bucket_size,
+        # dtype=self.dtype) when contiguous_gradients, allocated once and kept.
+        if contiguous:
+            out["zero3_ipg_bucket"] = Buffer(
+                pb * reduce_bucket, ALL_PHASES, "persistent reduce_bucket_size gradient bucket"
+            )
+        prefetch = _knob(run, "stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET_SIZE)
+        out["zero3_prefetch"] = Buffer(
+            cb * imin(prefetch, n), FWD_BWD, "parameters prefetched ahead (stage3_prefetch_bucket_size)"
+        )
+        # partitioned_param_coordinator.py __params_to_release: once the trace is recorded, a module's params are
+        # kept if they are used again within max_reuse_distance elements of the trace. At the forward/backward
+        # turn the last layers are reused after 2x the params in between, so about max_reuse_distance / 2
+        # elements stay gathered, bounded by stage3_max_live_parameters and the stage itself.
+        reuse = _knob(run, "stage3_max_reuse_distance", DS_MAX_REUSE_DISTANCE)
+        live = _knob(run, "stage3_max_live_parameters", DS_MAX_LIVE_PARAMETERS)
+        kept = imin(imin(reuse // 2, live), n)
+        out["zero3_reuse_window"] = Buffer(
+            cb * kept, FWD_BWD, "params kept gathered across the forward/backward turn (max_reuse_distance)"
+        )
+    return out
+
+
 def stage_buffers(run: Run, stage: Num = 0) -> dict[str, Buffer]:
-    return {}
+    """Named buffers of one rank of pipeline stage `stage` (bytes; see the module docstring for the phases)."""
+    if run.profile == "torch":
+        out = _torch_buffers(run, stage)
+    elif run.profile == "megatron":
+        out = _megatron_buffers(run, stage)
+    else:
+        out = _deepspeed_buffers(run, stage)
+    out.update(_foreach_temporaries(run, stage))
+    out.update(_workspaces(run))
+    return out
+
+
+# NCCL communicator memory (outside the caching allocator, so part of the runtime overhead, not of `stage_buffers`).
+# NVIDIA/nccl issue #964: one communicator of 2 ranks took 544 MiB, of 3-4 ranks 688 MiB (4x A100, NVLink, after an
+# all-reduce); issue #986 (NCCL maintainer): memory grows with channels, ring needs 2 connections at any scale, more
+# communicators = more memory. GPU presets' runtime_overhead_bytes hold the CUDA context plus one communicator.
+NCCL_COMM_BYTES_2_RANKS = 544 * MiB
+NCCL_COMM_BYTES = 688 * MiB
+
+
+def _comm_bytes(size: Num) -> Num:
+    return where(size > 2, NCCL_COMM_BYTES, where(size == 2, NCCL_COMM_BYTES_2_RANKS, 0))
+
+
+def communicator_bytes(run: Run) -> tuple[Num, Num]:
+    """(all, largest): NCCL memory of the process groups one rank joins -- TP, PP, CP, EP and the data-parallel /
+    shard group (dp x cp) -- each of size > 1 holding its own communicator, and the largest single one."""
+    sizes = [run.tp, run.pp, run.cp, run.ep, run.shard_degree]
+    total, largest = 0, 0
+    for size in sizes:
+        b = _comm_bytes(size)
+        total = total + b
+        largest = imax(largest, b)
+    return total, largest
+
+
+def extra_communicator_bytes(run: Run) -> Num:
+    """NCCL memory beyond the one communicator a GPU preset's runtime_overhead_bytes already includes."""
+    total, largest = communicator_bytes(run)
+    return total - largest
+
+
+def phase_total(buffers: dict[str, Buffer], phase: str) -> Num:
+    """Sum of the buffers live at `phase`'s peak moment."""
+    total = 0
+    for b in buffers.values():
+        if phase in b.phases:
+            total = total + b.bytes
+    return total

@@ -55,6 +55,7 @@ from memcalc.cost.params import (
     padded_vocab,
     shape_params,
     stage_layers,
+    stage_param_split,
     stage_params,
 )
 from memcalc.specs import DTYPE_BYTES, Run
@@ -70,8 +71,7 @@ DEEPSPEED_REDUCE_BUCKET = 500_000_000
 # (megatron/core/distributed/distributed_data_parallel_config.py)
 MEGATRON_BUCKET_MIN = 40_000_000
 
-# (numerator, denominator of the bus-bandwidth factor as a function of n, ring steps) per op
-OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "broadcast", "send/recv")
+OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "broadcast", "reduce", "send/recv")
 WINDOWS = ("none", "fwd", "bwd", "fwd_first", "bwd_last", "attn", "compute")
 
 
@@ -79,7 +79,7 @@ WINDOWS = ("none", "fwd", "bwd", "fwd_first", "bwd_last", "attn", "compute")
 class Collective:
     """One kind of collective on the worst rank over one optimizer step (scalar values)."""
 
-    op: str  # all-reduce | reduce-scatter | all-gather | all-to-all | broadcast | send/recv
+    op: str  # all-reduce | reduce-scatter | all-gather | all-to-all | broadcast | reduce | send/recv
     group: str  # dp | tp | pp | cp | ep
     group_size: int
     dtype: str
@@ -126,7 +126,7 @@ def _factor(op: str, n: Num) -> tuple[Num, Num]:
         return 2 * (n - 1), n
     if op in ("reduce-scatter", "all-gather", "all-to-all"):
         return n - 1, n
-    return 1, 1  # broadcast, send/recv
+    return 1, 1  # broadcast, reduce, send/recv
 
 
 def _steps(op: str, n: Num) -> Num:
@@ -172,6 +172,8 @@ def _bandwidth(run: Run, kind: str, n: Num, k: Num) -> tuple[Num, Num]:
         inter_bw = imin(b_in, b_out * k)
     elif kind == "a2a":
         inter_bw = imin(b_in, b_out * (n - 1) / imax(n - k, 1))
+    elif kind == "server":  # every worker talks to one server endpoint: its link carries n workers' traffic
+        return intra, where(intra, b_in + 0.0 * k, imin(b_in, b_out + 0 * k)) / n
     else:  # one pair of ranks: one NIC each
         inter_bw = imin(b_in, b_out + 0 * k)
     return intra, where(intra, b_in + 0.0 * k, inter_bw)
@@ -227,11 +229,21 @@ def _root_params(run: Run, stage: Num, total: Num) -> Num:
 
 
 def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
-    """Gradient reduction and parameter gathering over the data-parallel (ZeRO shard) group."""
+    """Gradient reduction and parameter gathering over the data-parallel (ZeRO shard) group. Only trainable
+    parameters have gradients (LoRA adapters, unfrozen layers: params.stage_param_split); frozen weights are
+    gathered by ZeRO-3 / FSDP2 like any parameter, in their stored (possibly quantized) form."""
+    from memcalc.cost.states import frozen_bytes
+
     r, z, prof = run.recipe, run.zero, run.profile
     ga = run.grad_accum
-    dense, expert = stage_params(run, stage)
+    split = stage_param_split(run, stage)
+    dense, expert = split.trainable_dense, split.trainable_expert
+    frozen = frozen_bytes(run, split.frozen_linear, split.frozen_linear_rows, split.frozen_linear_matrices,
+                          split.frozen_other)
     gb, pb = DTYPE_BYTES[r.grad_dtype], DTYPE_BYTES[r.param_dtype]
+    one = 1 + 0 * ga  # once per step (array-shaped)
+    if run.dp_mode != "collective":
+        return _dp_mode_terms(run, st, dense + expert, gb, pb)
     # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) gathers the low-precision copy
     # (validation-findings: "FSDP2 with bf16 params: all-gathers in bf16, reduce-scatter in fp32")
     ag_dtype = r.compute_dtype if (prof == "torch" and r.compute_copy) else r.param_dtype
@@ -244,11 +256,15 @@ def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
         _, edp = _ep_split(run, st)
         groups.append(("expert ", expert, run.dp * run.cp // run.ep, edp, "expert"))
     out: list[_Term] = []
-    one = 1 + 0 * ga  # once per step (array-shaped)
     for label, p, n, seg, which in groups:
         grads, params = p * gb, p * pb
-        gathered = p * agb
-        root = _root_params(run, stage, dense) if which == "dense" else 0 * p
+        gathered = p * agb + (frozen if which == "dense" else 0 * p)  # ZeRO-3 gathers frozen weights too
+        if which == "dense":
+            # FSDP2's root (embedding, final norm, LM head) is not gathered again in backward
+            full = stage_params(run, stage)[0]
+            bwd_gathered = gathered * (full - _root_params(run, stage, full)) // imax(full, 1)
+        else:
+            bwd_gathered = gathered
         if prof == "megatron":
             bucket = imax(MEGATRON_BUCKET_MIN, 1_000_000 * run.dp * run.cp) * gb
         elif prof == "deepspeed":
@@ -296,7 +312,7 @@ def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
                              tail=_tail(unit * gb, grads), per_mb=True,
                              note=f"{pre}: FSDP2 reduce-scatter every micro-batch"))
         else:  # ZeRO-3: FSDP2 default / DeepSpeed stage3.py / Megatron FSDP
-            bwd_gather = (p - root) * agb if prof == "torch" else gathered
+            bwd_gather = bwd_gathered if prof == "torch" else gathered
             rs_tail = _tail(bucket, grads) if prof == "deepspeed" else _tail(unit * gb, grads)
             out.append(_term(run, "all-gather", "dp", ag_dtype, n, gathered, ga, seg, window="fwd",
                              tail=unit_tail, per_mb=True,
@@ -308,6 +324,33 @@ def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
             out.append(_term(run, "reduce-scatter", "dp", r.grad_dtype, n, grads, ga, seg, window="bwd",
                              tail=rs_tail, per_mb=True, note=f"{pre}: reduce-scatter every micro-batch"))
     return out
+
+
+def _dp_mode_terms(run: Run, st: dict[str, Num], p: Num, gb: int, pb: int) -> list[_Term]:
+    """Data parallelism without collectives among the workers (tp = pp = cp = ep = 1, ZeRO 0)."""
+    r = run.recipe
+    n = run.dp
+    seg = _dp_segments(run, st)
+    one = 1 + 0 * run.grad_accum
+    if run.dp_mode == "ps":
+        # parameter server (Li et al. 2014, OSDI, sec. 3-4): each worker pushes its gradients and pulls the updated
+        # parameters once per step; one server endpoint serves all n workers, so its link is shared n ways.
+        return [
+            _term(run, "send/recv", "dp", r.grad_dtype, n, p * gb, one, seg, kind="server",
+                  note="push gradients to the parameter server once per step (server link shared by n workers)"),
+            _term(run, "send/recv", "dp", r.param_dtype, n, p * pb, one, seg, kind="server",
+                  note="pull updated parameters from the server once per step (bytes received)"),
+        ]
+    # torch.nn.DataParallel (torch/nn/parallel/data_parallel.py, replicate.py, _functions.py): every forward call
+    # broadcasts the parameters from GPU 0 (`Broadcast` / comm.broadcast_coalesced) and backward sums the replicas'
+    # gradients onto GPU 0 (`ReduceAddCoalesced`); one process, so one node.
+    ga = run.grad_accum
+    return [
+        _term(run, "broadcast", "dp", r.param_dtype, n, p * pb, ga, seg, per_mb=True,
+              note="DataParallel replicates the parameters from GPU 0 every forward"),
+        _term(run, "reduce", "dp", r.grad_dtype, n, p * gb, ga, seg, per_mb=True,
+              note="DataParallel sums the replicas' gradients onto GPU 0 every backward"),
+    ]
 
 
 def _tensor_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:

@@ -8,7 +8,8 @@ FLOPs are counted from the layer shapes in memcalc/cost/params.py (`matrix_shape
 - attention core: QK^T and AV, 2*s*(a*d) FLOPs each per token per layer in the forward pass, 4*s*a*d in all,
   counted over the full s x s square as in Narayanan et al. 2021 (sec. 5.1) and PaLM (Chowdhery et al. 2022,
   appendix B), even though causal kernels skip half of it.
-- backward = 2 x forward (Kaplan et al. 2020 sec. 2.1; Narayanan et al. 2021 sec. 5.1): model FLOPs = 3 x forward.
+- backward = 2 x forward (Kaplan et al. 2020 sec. 2.1; Narayanan et al. 2021 sec. 5.1): model FLOPs = 3 x forward;
+  when fine-tuning, frozen weights skip the weight-gradient GEMM (`backward_flops_per_token`).
 - recompute: full adds one more forward of the recomputed layers (Narayanan et al. 2021: 4 x forward, the
   `96 B s l h^2 (1 + s/(6h) + V/(16 l h))` formula); selective adds the attention-core forward of those layers
   (Korthikanti et al. 2022 sec. 5).
@@ -28,9 +29,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from memcalc.cost.params import matrix_shapes, stage_layers
+from memcalc.cost.params import lora_layer_params, matrix_shapes, stage_layers
 from memcalc.errors import InputError
-from memcalc.specs import Run
+from memcalc.specs import Run, freeze_layers
 from memcalc.xp import imin
 
 Num = Any
@@ -81,8 +82,17 @@ def attention_core_flops_per_token(run: Run) -> int:
     return 4 * run.seq * m.heads * m.head_dim
 
 
+def lora_flops_per_token(run: Run) -> int:
+    """Forward FLOPs of one layer's LoRA adapters per token: 2 per adapter weight (Hu et al. 2021 sec. 4.1: the
+    low-rank path x A^T B^T runs beside the frozen W)."""
+    t = run.training
+    if t.lora_rank is None:
+        return 0
+    return 2 * lora_layer_params(run.model, t.lora_targets, t.lora_rank, 1)
+
+
 def layer_forward_flops_per_token(run: Run) -> int:
-    return 2 * matmul_weights_per_token(run) + attention_core_flops_per_token(run)
+    return 2 * matmul_weights_per_token(run) + attention_core_flops_per_token(run) + lora_flops_per_token(run)
 
 
 def head_forward_flops_per_token(run: Run) -> int:
@@ -94,9 +104,30 @@ def forward_flops_per_token(run: Run) -> int:
     return run.model.layers * layer_forward_flops_per_token(run) + head_forward_flops_per_token(run)
 
 
+def backward_flops_per_token(run: Run) -> int:
+    """Backward = input gradients (as many FLOPs as the forward matmuls; the attention core twice its forward:
+    dQ, dK from dS and dV, dP from dO) + weight gradients (as many FLOPs as the forward of the *trainable*
+    matmuls). Full training: exactly 2 x forward. Fine-tuning (issue 7): frozen weights skip the weight-gradient
+    GEMM; with the embeddings and the first K layers frozen, backward stops at layer K (nothing below needs a
+    gradient); LoRA trains the adapters only."""
+    m, t = run.model, run.training
+    w2 = 2 * matmul_weights_per_token(run)
+    att = attention_core_flops_per_token(run)
+    lora = lora_flops_per_token(run)
+    head = head_forward_flops_per_token(run)
+    L = m.layers
+    if t.lora_rank is not None:
+        return L * (w2 + 2 * att + lora) + head + L * lora
+    k = freeze_layers(t)
+    emb_frozen = "embeddings" in t.freeze
+    head_trainable = not (emb_frozen if m.tied_embeddings else "head" in t.freeze)
+    through = L - (k if emb_frozen else 0)
+    return through * (w2 + 2 * att) + head + (L - k) * w2 + (head if head_trainable else 0)
+
+
 def model_flops_per_token(run: Run) -> int:
-    """Forward + backward (backward = 2 x forward), no recompute: the numerator of MFU."""
-    return 3 * forward_flops_per_token(run)
+    """Forward + backward, no recompute: the numerator of MFU (3 x forward for full training)."""
+    return forward_flops_per_token(run) + backward_flops_per_token(run)
 
 
 def recomputed_layers(run: Run) -> Num:
@@ -161,7 +192,11 @@ def compute_seconds(run: Run) -> Num:
 
 def bubble_seconds(run: Run) -> Num:
     """Pipeline fill and drain: (pp-1)/(vpp*m) of the compute time, m = micro-batches per step
-    (Narayanan et al. 2021 sec. 2.2.1 for 1F1B and GPipe, sec. 2.2.2 for the interleaved schedule)."""
+    (Narayanan et al. 2021 sec. 2.2.1 for 1F1B and GPipe, sec. 2.2.2 for the interleaved schedule). PipeDream and
+    PipeDream-2BW never flush the pipeline (Narayanan et al. 2019 sec. 3; 2021 "Memory-Efficient Pipeline-Parallel
+    DNN Training" sec. 3): no bubble in steady state."""
+    if run.schedule.startswith("pipedream"):
+        return compute_seconds(run) * 0
     return compute_seconds(run) * (run.pp - 1) / (run.vpp * run.grad_accum)
 
 
@@ -177,7 +212,7 @@ def overlap_windows(run: Run) -> dict[str, Num]:
     tokens = tokens_per_step(run)
     per_gpu = run.gpus * rate
     fwd = tokens * (forward_flops_per_token(run) * 1.0) / per_gpu
-    bwd = tokens * ((2 * forward_flops_per_token(run) + recompute_flops_per_token(run)) * 1.0) / per_gpu
+    bwd = tokens * ((backward_flops_per_token(run) + recompute_flops_per_token(run)) * 1.0) / per_gpu
     attn_tok = 3 * run.model.layers * attention_core_flops_per_token(run) + recomputed_layers(run) * (
         attention_core_flops_per_token(run)
     )
@@ -228,6 +263,9 @@ def achieved_mfu(run: Run) -> Num:
     return model_flops_per_step(run) / (step_seconds(run) * peak_flops_per_gpu(run) * run.gpus)
 
 
+mfu = achieved_mfu  # the name the planner looks up (memcalc/plan/search.py `time_model`)
+
+
 # ---------------------------------------------------------------------------------------------------- output
 
 
@@ -236,10 +274,12 @@ def compute_notes(run: Run) -> list[str]:
     notes = [
         "FLOPs: 2 per matmul weight per token forward (attention q/k/v/o, MLP"
         + (", router + top-k and shared experts" if m.moe is not None else "")
-        + ", LM head) + attention core 4*s*heads*head_dim per token per layer; backward = 2 x forward",
+        + ", LM head) + attention core 4*s*heads*head_dim per token per layer; backward = 2 x forward"
+        + (" for trained weights, 1 x for frozen ones" if (t.lora_rank is not None or t.freeze) else ""),
         f"compute time: FLOPs incl. recompute / (gpus x peak x assumed efficiency {assumed_mfu(run):g}); "
         "stage imbalance is not modelled separately",
-        "pipeline bubble: (pp-1)/(vpp*micro-batches) of the compute time",
+        "pipeline bubble: " + ("none (PipeDream does not flush)" if run.schedule.startswith("pipedream")
+                               else "(pp-1)/(vpp*micro-batches) of the compute time"),
         "exposed communication: overlapped collectives hide behind their compute window (see communication); "
         "TP collectives are exposed" + (" (here overlapped: tp_overlap)" if run.tp_overlap else "") +
         ", pipeline send/recv is on the critical path",

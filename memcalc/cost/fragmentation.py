@@ -1,15 +1,63 @@
-"""Caching-allocator fragmentation: reserved minus allocated. Placeholder until the allocator model lands."""
+"""Caching-allocator fragmentation: reserved minus allocated memory. DESIGN.md section 4; derivation and data in
+docs/methodology-buffers.md ("Fragmentation").
+
+PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp; docs "CUDA semantics / Memory management")
+rounds every request up to 512 bytes, serves requests <= 1 MiB from 2 MiB segments, requests < 10 MiB from 20 MiB
+segments and larger ones from their own segment rounded to 2 MiB, and later carves smaller blocks out of cached
+segments. Memory freed by one stream is reused by another only after its recorded events complete. Reserved memory
+(`memory_reserved`, what the GPU actually lends the process) therefore exceeds allocated memory
+(`memory_allocated`, what memcalc's allocated peak models). `expandable_segments:True` maps physical pages into one
+growing segment per stream and returns unused pages, which removes most of the gap.
+
+The model: a fraction f of reserved memory is not allocated, reserved = allocated / (1 - f), so
+fragmentation = allocated * f / (1 - f). `training.fragmentation` sets f; otherwise `default_fraction(run)` gives
+the documented figure for the profile and layout.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from memcalc.specs import Run
+from memcalc.xp import as_int, where
+
+Num = Any
+
+# Published allocated/reserved pairs and the validation simulation put f between 1% and 6% for steady-state
+# training with the default allocator (docs/methodology-buffers.md table); these are the documented defaults.
+BASE_FRACTION = 0.03  # single compute stream: 512 B rounding (+0.02-0.05%) + block carving (+1.3-2.0%) + slack
+SIDE_STREAM_FRACTION = 0.05  # collectives on side streams hold blocks until their events complete (FSDP2, ZeRO-3)
+MEGATRON_FRACTION = 0.06  # SimuMax models Megatron-LM's reserved memory as allocated / 0.94
+EXPANDABLE_SEGMENTS_FRACTION = 0.02  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (e.g. torchtitan's launcher)
+
+
+def default_fraction(run: Run) -> Any:
+    """Fraction f of reserved memory that is not allocated, for the default caching allocator (a float, or an
+    array of floats when the shard degree is an array)."""
+    if run.profile == "megatron":
+        return MEGATRON_FRACTION
+    if run.profile == "torch":
+        # FSDP2 runs all-gather and reduce-scatter on their own streams; DDP and ZeroRedundancyOptimizer reduce on
+        # the NCCL stream into persistent buckets. A shard group of one rank is not wrapped by FSDP (buffers.py).
+        if run.zero >= 2:
+            return where(run.shard_degree > 1, SIDE_STREAM_FRACTION, BASE_FRACTION)
+        return BASE_FRACTION
+    # deepspeed: ZeRO-3 fetches and reduces on side streams (overlap_comm on by default); ZeRO-0/1/2 copy into
+    # persistent contiguous buckets on the compute stream.
+    return SIDE_STREAM_FRACTION if run.zero == 3 else BASE_FRACTION
+
+
+def fraction(run: Run) -> Any:
+    f = run.training.fragmentation
+    return default_fraction(run) if f is None else f
 
 
 def fragmentation_bytes(run: Run, allocated_peak: Any) -> Any:
-    frac = run.training.fragmentation
-    if frac is None:
-        return 0 * allocated_peak
-    # the user's fraction f of reserved memory is not allocated: reserved = allocated / (1 - f)
-    return (allocated_peak * frac) // (1 - frac) if isinstance(allocated_peak, int) else allocated_peak * frac / (1 - frac)
+    """Reserved minus allocated at the allocated peak: allocated * f / (1 - f) bytes (elementwise on arrays)."""
+    f = fraction(run)
+    return as_int(allocated_peak * (f / (1.0 - f)))
+
+
+def reserved_bytes(run: Run, allocated_peak: Any) -> Any:
+    """What `torch.cuda.max_memory_reserved()` would show: the allocated peak plus fragmentation."""
+    return allocated_peak + fragmentation_bytes(run, allocated_peak)

@@ -37,8 +37,9 @@ _ZERO_RECORD = {
     "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
     "stage3_max_reuse_distance", "stage3_param_persistence_threshold", "sub_group_size", "overlap_comm",
     "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
-    "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
-    "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear", "stage3_module_granularity_threshold",
+    "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
+    "zero_quantized_nontrainable_weights", "mics_shard_size", "mics_hierarchical_params_gather",
+    "memory_efficient_linear", "stage3_module_granularity_threshold",
     "use_all_reduce_for_fetch_params", "zeropp_loco_param", "pipeline_loading_checkpoint", "override_module_apply",
 }
 _ZERO_IRRELEVANT = {
@@ -115,7 +116,8 @@ def import_deepspeed(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
         v = cfg[key]
         if _is_auto(v):
             if field in explicit:
-                imp.notes.append(f"{key} = \"auto\" resolved from the command line: {flag_text(field, getattr(o, field))}")
+                imp.notes.append(f"{key} = \"auto\" resolved from the command line: "
+                                 f"{flag_text(field, getattr(o, field))}")
             else:
                 imp.needs_value.append(f"{key} = \"auto\": {default_text}; give {flag_text(field, 'N')} to set it")
             return
@@ -125,8 +127,27 @@ def import_deepspeed(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
         imp.set(field, n)
 
     batch_key("train_micro_batch_size_per_gpu", "micro_batch", f"assumed micro-batch {o.micro_batch}")
-    batch_key("gradient_accumulation_steps", "grad_accum", "derived from the global batch (or 1)")
     batch_key("train_batch_size", "global_batch", "derived as micro-batch * grad-accum * dp")
+    batch_key("gradient_accumulation_steps", "grad_accum", "derived from the global batch (or 1)")
+    if "global_batch" in imp.values and "grad_accum" in imp.values:
+        # DeepSpeed derives one of the three from the other two; keeping the global batch lets --micro-batch
+        # on the command line change the accumulation steps instead of contradicting them
+        ga = imp.values.pop("grad_accum")
+        imp.from_config.discard("grad_accum")
+        imp.recorded["gradient_accumulation_steps"] = ga
+        imp.notes.append(f"gradient_accumulation_steps {ga} follows from train_batch_size / (micro-batch * dp); "
+                         "memcalc derives it from --global-batch")
+        if not {"micro_batch", "global_batch", "grad_accum"} & explicit:
+            def check_batch(model: Any, merged: RunOptions, imp: Imported) -> None:
+                inner = merged.tp * merged.pp * merged.cp
+                dp = merged.dp or (merged.gpus // inner if merged.gpus else 1)
+                mb, gb = merged.micro_batch, merged.global_batch
+                if mb * ga * dp != gb:
+                    raise InputError(f"{source}: train_batch_size {gb} != train_micro_batch_size_per_gpu {mb} * "
+                                     f"gradient_accumulation_steps {ga} * dp {dp} (DeepSpeed rejects this); "
+                                     "check --gpus, or give --micro-batch / --global-batch")
+
+            imp.deferred.append(check_batch)
 
     # precision: fp16 / bf16 / amp sections (DeepSpeed rejects fp16 and bf16 both enabled)
     fp16 = _enabled(cfg.get("fp16"), "fp16", source)

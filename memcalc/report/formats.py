@@ -1,0 +1,253 @@
+"""Output formats of `estimate` besides the rich table: `--format json | markdown | csv`, the `--check` /
+`--min-headroom` gate, and the import notes shown above the table. Reads only Estimates (and ImportReports).
+
+CSV is one row per configuration (one for `estimate`, one per value for `--sweep`) with every size in integer
+bytes, so rows from many runs can be concatenated; markdown is for pasting into a PR or an issue.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import Any, Iterable
+
+from memcalc.cost.estimate import Estimate
+from memcalc.errors import InputError
+from memcalc.units import UNIT_BYTES, format_bytes, format_count, parse_bytes
+
+FORMATS = ("table", "json", "markdown", "csv")
+
+COMPONENTS = ("params", "master_weights", "grads", "optimizer", "activations", "buffers", "fragmentation", "runtime")
+LABELS = {
+    "params": "parameters", "master_weights": "master weights", "grads": "gradients",
+    "optimizer": "optimizer state", "activations": "activations", "buffers": "buffers & temps",
+    "fragmentation": "fragmentation", "runtime": "runtime (CUDA, NCCL)",
+}
+
+
+def output_format(fmt: str | None, json_out: bool) -> str:
+    """The format asked for: --format, with --json meaning --format json."""
+    if fmt is None:
+        return "json" if json_out else "table"
+    f = fmt.strip().lower()
+    if f == "md":
+        f = "markdown"
+    if f not in FORMATS:
+        raise InputError(f"--format {fmt!r} is not valid; valid: {', '.join(FORMATS)}")
+    if json_out and f != "json":
+        raise InputError(f"--json and --format {f} disagree; give one")
+    return f
+
+
+# --- --check / --min-headroom ------------------------------------------------------------------------------------
+
+class Headroom:
+    """--min-headroom: bytes (5GiB, 4e9) or a share of the GPU's capacity (10%)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        t = text.strip()
+        self.fraction: float | None = None
+        self.bytes: int | None = None
+        if t.endswith("%"):
+            try:
+                pct = float(t[:-1])
+            except ValueError:
+                raise InputError(f"--min-headroom {text!r} is not valid; use e.g. 5GiB or 10%") from None
+            if not 0 <= pct < 100:
+                raise InputError(f"--min-headroom {text!r} must be a percentage in [0, 100)")
+            self.fraction = pct / 100
+        else:
+            try:
+                self.bytes = int(float(t)) if t.replace(".", "", 1).replace("e", "", 1).isdigit() else \
+                    parse_bytes(t, "--min-headroom")  # a plain number is bytes
+            except InputError:
+                raise InputError(f"--min-headroom {text!r} is not valid; use e.g. 5GiB, 4GB or 10%") from None
+
+    def required(self, capacity: int) -> int:
+        return int(self.fraction * capacity) if self.fraction is not None else int(self.bytes or 0)
+
+
+def check_estimate(est: Estimate, min_headroom: Headroom | None, units: str = "GiB") -> tuple[bool, str]:
+    """(passes, one-line reason when it does not) for --check: it fits, with at least --min-headroom left."""
+    mem = est.memory
+    if not mem.fits:
+        return False, (f"does not fit: worst rank {mem.worst_rank} needs "
+                       f"{format_bytes(mem.capacity_bytes - mem.headroom_bytes, units)} of "
+                       f"{format_bytes(mem.capacity_bytes, units)}")
+    if min_headroom is not None:
+        need = min_headroom.required(mem.capacity_bytes)
+        if mem.headroom_bytes < need:
+            return False, (f"headroom {format_bytes(mem.headroom_bytes, units)} is below --min-headroom "
+                           f"{min_headroom.text} ({format_bytes(need, units)})")
+    return True, ""
+
+
+# --- import report -----------------------------------------------------------------------------------------------
+
+def import_lines(report: Any) -> list[str]:
+    """Plain lines describing an ImportReport (table and markdown outputs)."""
+    if report is None:
+        return []
+    r = report if isinstance(report, dict) else report.model_dump(mode="json")
+    lines = [f"imported from {r['source']} ({r['framework']}): {r['equivalent_flags'] or 'nothing applied'}"]
+    for ov in r["overridden"]:
+        lines.append(f"command line wins: {ov['flag']} {_v(ov['used'])} (the {r['framework']} config says "
+                     f"{_v(ov['imported'])})")
+    for nv in r["needs_value"]:
+        lines.append(f"needs a value: {nv}")
+    if r["recorded"]:
+        lines.append("recorded, not modelled yet: " + ", ".join(f"{k}={_v(v)}" for k, v in r["recorded"].items()))
+    for note in r["notes"]:
+        lines.append(f"note: {note}")
+    by_reason: dict[str, list[str]] = {}
+    for i in r["ignored"]:
+        by_reason.setdefault(i["reason"], []).append(i["key"])
+    for reason, keys in sorted(by_reason.items(), key=lambda kv: kv[0] != "unknown to memcalc"):
+        lines.append(f"ignored ({reason}): " + ", ".join(keys))
+    return lines
+
+
+def _v(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def render_import_notes(report: Any, console: Any) -> None:
+    from rich.text import Text
+
+    for i, line in enumerate(import_lines(report)):
+        style = "bold" if i == 0 else ("yellow" if line.startswith(("command line wins", "needs a value")) else "dim")
+        console.print(Text(("" if i == 0 else "  ") + line, style=style))
+
+
+def attach_import_report(est: Estimate, report: Any) -> Estimate:
+    """The estimate with `inputs.import_report` set (an optional key; no existing JSON field changes)."""
+    if report is None:
+        return est
+    data = report.model_dump(mode="json") if hasattr(report, "model_dump") else report
+    return est.model_copy(update={"inputs": {**est.inputs, "import_report": data}})
+
+
+# --- JSON --------------------------------------------------------------------------------------------------------
+
+def estimate_json(est: Estimate) -> str:
+    return est.model_dump_json(indent=2) + "\n"
+
+
+def estimate_schema_json() -> str:
+    """The JSON schema of `estimate --json` (pydantic), as `memcalc schema` prints it."""
+    return json.dumps(Estimate.model_json_schema(), indent=2, sort_keys=False) + "\n"
+
+
+# --- CSV ---------------------------------------------------------------------------------------------------------
+
+CSV_COLUMNS = (
+    "model", "total_params", "profile", "gpu", "gpus", "dp", "tp", "pp", "vpp", "cp", "ep", "sp", "zero", "offload",
+    "precision", "optimizer", "recompute", "seq", "micro_batch", "grad_accum", "global_batch",
+    *(f"{c}_bytes" for c in COMPONENTS),
+    "allocated_peak_bytes", "peak_bytes", "capacity_bytes", "headroom_bytes", "fits", "peak_phase", "worst_rank",
+    "comm_bytes_per_step", "step_seconds", "tokens_per_second", "mfu",
+)
+
+
+def csv_record(est: Estimate) -> dict[str, Any]:
+    inp, mem, par, tr = est.inputs, est.memory, est.inputs["parallel"], est.inputs["training"]
+    rec: dict[str, Any] = {
+        "model": inp["model"]["name"], "total_params": inp["model"]["total_params"], "profile": inp["profile"],
+        "gpu": inp["hardware"]["name"],
+        **{k: par[k] for k in ("gpus", "dp", "tp", "pp", "vpp", "cp", "ep", "sp", "zero", "offload")},
+        **{k: tr[k] for k in ("precision", "optimizer", "recompute", "seq", "micro_batch", "grad_accum",
+                              "global_batch")},
+    }
+    for c in COMPONENTS:
+        rec[f"{c}_bytes"] = "" if c in mem.not_modelled else mem.components.get(c, 0)
+    rec.update(allocated_peak_bytes=mem.allocated_peak_bytes, peak_bytes=mem.peak_bytes,
+               capacity_bytes=mem.capacity_bytes, headroom_bytes=mem.headroom_bytes, fits=mem.fits,
+               peak_phase=mem.peak_phase, worst_rank=mem.worst_rank)
+    comm, comp = est.communication, est.compute
+    rec["comm_bytes_per_step"] = comm.bytes_per_step if comm.modelled else ""
+    rec["step_seconds"] = comp.step_seconds if comp.modelled else ""
+    rec["tokens_per_second"] = comp.tokens_per_second if comp.modelled else ""
+    rec["mfu"] = comp.mfu if comp.modelled else ""
+    return rec
+
+
+def render_csv(records: Iterable[dict[str, Any]], lead: tuple[str, ...] = ()) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=[*lead, *CSV_COLUMNS, *(("error",) if lead else ())], lineterminator="\n",
+                       extrasaction="ignore")
+    w.writeheader()
+    for r in records:
+        w.writerow({k: (str(v).lower() if isinstance(v, bool) else v) for k, v in r.items()})
+    return buf.getvalue()
+
+
+# --- markdown ----------------------------------------------------------------------------------------------------
+
+def _n(b: int, units: str) -> str:
+    return f"{b / UNIT_BYTES[units]:,.2f}"
+
+
+def render_markdown(est: Estimate, units: str = "GiB") -> str:
+    inp, mem = est.inputs, est.memory
+    m, par, tr, hw = inp["model"], inp["parallel"], inp["training"], inp["hardware"]
+    out = [f"### {m['display_name']} · {format_count(m['total_params'])} params · {par['gpus']} x "
+           f"{hw['display_name'] or hw['name']} · profile {inp['profile']}", ""]
+    out.append(f"dp {par['dp']} · tp {par['tp']}{' +SP' if par['sp'] else ''} · pp {par['pp']}"
+               + (f" (vpp {par['vpp']})" if par["vpp"] > 1 else "") + f" · cp {par['cp']} · ZeRO-{par['zero']}"
+               + (f" · offload {par['offload']}" if par["offload"] != "none" else "")
+               + f" · seq {tr['seq']} · micro-batch {tr['micro_batch']} · grad-accum {tr['grad_accum']} · "
+               f"{tr['precision']} · {tr['optimizer']} · recompute {tr['recompute']}")
+    out += ["", f"| component | {units} |", "|---|---:|"]
+    for c in COMPONENTS:
+        val = "n/a (not modelled yet)" if c in mem.not_modelled else _n(mem.components.get(c, 0), units)
+        out.append(f"| {LABELS[c]} | {val} |")
+    out.append(f"| allocated peak (at {mem.peak_phase}) | {_n(mem.allocated_peak_bytes, units)} |")
+    out.append(f"| **peak per GPU** (worst rank {mem.worst_rank}) | **{_n(mem.peak_bytes, units)}** |")
+    out.append(f"| capacity | {_n(mem.capacity_bytes, units)} |")
+    out.append("")
+    if mem.fits:
+        out.append(f"**FITS**: headroom {format_bytes(mem.headroom_bytes, units)} "
+                   f"({mem.headroom_bytes / mem.capacity_bytes:.0%}).")
+    else:
+        out.append(f"**DOES NOT FIT**: {format_bytes(-mem.headroom_bytes, units)} short.")
+    comm, comp = est.communication, est.compute
+    if comm.modelled:
+        out.append(f"Communication: {format_bytes(comm.bytes_per_step, units)} sent per GPU per step, "
+                   f"{comm.exposed_seconds_per_step * 1e3:,.1f} ms exposed.")
+    if comp.modelled:
+        out.append(f"Compute: step {comp.step_seconds:,.2f} s · {comp.tokens_per_second:,.0f} tokens/s · "
+                   f"MFU {comp.mfu:.1%}.")
+    notes = import_lines(inp.get("import_report"))
+    if notes:
+        out.append("")
+        out += [f"> {line}  " for line in notes]
+    if mem.not_modelled:
+        out += ["", f"_Not yet modelled, so not in the peak: {', '.join(mem.not_modelled)}._"]
+    return "\n".join(out) + "\n"
+
+
+def emit_estimate(est: Estimate, run: Any, fmt: str, units: str, explain: bool) -> None:
+    import sys
+
+    if fmt == "json":
+        sys.stdout.write(estimate_json(est))
+    elif fmt == "markdown":
+        sys.stdout.write(render_markdown(est, units))
+    elif fmt == "csv":
+        sys.stdout.write(render_csv([csv_record(est)]))
+    else:
+        from rich.console import Console
+
+        from memcalc.report.table import render_estimate
+
+        con = Console(highlight=False)
+        render_import_notes(est.inputs.get("import_report"), con)
+        render_estimate(est, run, units=units, explain=explain, console=con)
+
+
+def json_dumps(data: Any) -> str:
+    return json.dumps(data, indent=2) + "\n"

@@ -1,0 +1,258 @@
+"""Buffers per profile (memcalc/cost/buffers.py): hand-computed cases with the arithmetic shown, DeepSpeed's own
+estimator outputs reproduced to the printed digit, and arrays against scalars. Sources in
+docs/methodology-buffers.md."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memcalc.cost import buffers as B
+from memcalc.cost.buffers import ALL_PHASES, FWD_BWD, phase_total, stage_buffers, stage_units
+from memcalc.cost.params import largest_unit_params, total_params
+from memcalc.cost.states import model_states
+from memcalc.specs import HardwareSpec, ModelSpec, ParallelSpec, TrainingSpec, resolve
+
+GIB = 2**30
+MIB = 2**20
+HW = HardwareSpec(name="test", memory_bytes=80 * GIB)
+
+# TINY: h=64, 4 layers, 4 heads (MHA, head_dim 16), SwiGLU ffn 256, vocab 1000, RMSNorm, untied, rotary.
+# layer = attention 4*64*64 = 16384 + MLP 3*64*256 = 49152 + two norms 2*64 = 128 -> 65664
+# model = 4*65664 + embedding 1000*64 + final norm 64 + head 1000*64 = 390720
+TINY = ModelSpec(name="tiny", hidden=64, layers=4, heads=4, ffn=256, vocab=1000)
+LAYER, EMB, N = 65664, 64000, 390720
+
+
+def run(model=TINY, profile="torch", pp=1, tp=1, gpus=None, zero=0, offload="none", **training):
+    gpus = gpus if gpus is not None else tp * pp
+    t = TrainingSpec(seq=128, **training)
+    return resolve(model, t, ParallelSpec(gpus=gpus, tp=tp, pp=pp, zero=zero, offload=offload), HW, profile)
+
+
+def test_tiny_counts():
+    assert total_params(TINY) == N == 4 * LAYER + EMB + 64 + EMB
+
+
+# --- torch ------------------------------------------------------------------------------------------------------
+
+
+def test_ddp_buckets_are_a_persistent_full_copy_of_the_grads():
+    # reducer.cpp: one flat `gradients` tensor per bucket, buckets cover every trainable parameter: 4 B * 390720
+    b = stage_buffers(run(gpus=2, precision="fp32"))
+    assert b["ddp_buckets"].bytes == 4 * N == 1_562_880
+    assert b["ddp_buckets"].phases == ALL_PHASES
+    # ZeRO-1 (ZeroRedundancyOptimizer) still reduces through DDP; its broadcasts are in place (no entry)
+    b1 = stage_buffers(run(gpus=2, precision="fp32", zero=1))
+    assert b1["ddp_buckets"].bytes == 4 * N
+    assert not any("broadcast" in k for k in b1)
+
+
+def test_no_ddp_buckets_without_data_parallelism_or_with_bucket_views(monkeypatch):
+    assert stage_buffers(run(gpus=1, precision="fp32"))["ddp_buckets"].bytes == 0
+    monkeypatch.setattr(B, "DDP_GRADIENT_AS_BUCKET_VIEW", True)
+    assert "ddp_buckets" not in stage_buffers(run(gpus=2, precision="fp32"))
+
+
+def test_amp_weight_casts_exclude_the_embedding_and_follow_recompute():
+    # bf16 AMP: fp32 params, a bf16 copy of every weight but the embedding table: 2 * (390720 - 64000)
+    b = stage_buffers(run(precision="bf16"))["amp_weight_casts"]
+    assert b.bytes == 2 * (N - EMB) == 653_440
+    assert b.phases == FWD_BWD
+    assert stage_buffers(run(precision="bf16", recompute="full"))["amp_weight_casts"].phases == {"forward"}
+    # pp=2: stage 0 holds layers 0-1 and the embedding (no cast), stage 1 layers 2-3, final norm and head
+    assert stage_buffers(run(precision="bf16", pp=2), 0)["amp_weight_casts"].bytes == 2 * (2 * LAYER)
+    assert stage_buffers(run(precision="bf16", pp=2), 1)["amp_weight_casts"].bytes == 2 * (2 * LAYER + 64 + EMB)
+    assert "amp_weight_casts" not in stage_buffers(run(precision="fp32"))
+
+
+def test_foreach_adam_temporaries():
+    # _multi_tensor_adam: one sqrt(exp_avg_sq) tensor per stepped parameter, in the moment dtype
+    assert stage_buffers(run(precision="fp32"))["foreach_adam_temporaries"].bytes == 4 * N
+    b = stage_buffers(run(precision="fp32", gpus=4, zero=1))["foreach_adam_temporaries"]
+    assert b.bytes == 4 * 97_680  # ceil(390720 / 4) elements per ZeroRedundancyOptimizer shard
+    assert b.phases == {"optimizer"}
+    # AMP steps fp32 params with fp32 moments; pure bf16 keeps bf16 moments
+    assert stage_buffers(run(precision="bf16"))["foreach_adam_temporaries"].bytes == 4 * N
+    assert stage_buffers(run(precision="bf16", master_weights=False))["foreach_adam_temporaries"].bytes == 2 * N
+    for kw in ({"foreach": False}, {"optimizer": "sgd-momentum"}):
+        assert "foreach_adam_temporaries" not in stage_buffers(run(precision="fp32", **kw))
+    assert "foreach_adam_temporaries" not in stage_buffers(run(precision="fp32", gpus=2, zero=1, offload="optimizer"))
+    assert "foreach_adam_temporaries" not in stage_buffers(run(profile="megatron"))  # fused Adam by default
+
+
+def test_fsdp2_zero3_working_set():
+    # bf16 params / fp32 reduce. Largest unit = one layer (65664 > embedding 64000, head + final norm 64064):
+    # unsharded current + prefetched next unit 2*(65664+65664); unsharded bf16 grads 2*65664; fp32 RS input 4*65664
+    b = stage_buffers(run(gpus=4, zero=3, precision="bf16"))
+    assert stage_units(run(gpus=4, zero=3), 0) == (LAYER, LAYER)
+    assert b["fsdp_unsharded_params"].bytes == 262_656 and b["fsdp_unsharded_params"].phases == FWD_BWD
+    assert b["fsdp_unsharded_grads"].bytes == 131_328 and b["fsdp_unsharded_grads"].phases == {"backward"}
+    assert b["fsdp_reduce_scatter"].bytes == 262_656 and b["fsdp_reduce_scatter"].phases == {"backward"}
+    assert b["amp_weight_casts"].bytes == 0  # FSDP2's MixedPrecisionPolicy gathers bf16 params: no autocast
+    assert "ddp_buckets" not in b
+    # a 5000-token vocabulary makes the head unit the largest: 5000*64 + final norm 64 = 320064
+    big = TINY.model_copy(update={"vocab": 5000})
+    assert stage_units(run(model=big, gpus=4, zero=3), 0) == (320_064, LAYER)
+    assert stage_buffers(run(model=big, gpus=4, zero=3))["fsdp_reduce_scatter"].bytes == 4 * 320_064
+    # pp=2: stage 0 has the embedding (320000), stage 1 the head + norm (320064)
+    assert stage_units(run(model=big, pp=2, gpus=8, zero=3), 0) == (320_000, LAYER)
+    assert stage_units(run(model=big, pp=2, gpus=8, zero=3), 1) == (320_064, LAYER)
+
+
+def test_fsdp2_zero2_keeps_all_params_unsharded_beyond_the_resident_shard():
+    # fp32, dp=2: resident shard 4*ceil(390720/2) = 781440 and an fp32 unsharded copy 4*390720, less the
+    # 4*390720 states.py already holds (ZeRO-2 keeps params whole) -> 781440
+    r = run(gpus=2, zero=2, precision="fp32")
+    assert model_states(r).params == 4 * N
+    b = stage_buffers(r)
+    assert b["fsdp_unsharded_params"].bytes == 781_440
+    assert b["fsdp_allgather_prefetch"].bytes == 4 * LAYER and b["fsdp_allgather_prefetch"].phases == {"forward"}
+    # bf16 AMP: resident fp32 shard 781440 + bf16 copy 781440 = 1562880 = the fp32 params states.py holds
+    assert stage_buffers(run(gpus=2, zero=2, precision="bf16"))["fsdp_unsharded_params"].bytes == 0
+
+
+def test_fsdp_is_not_applied_to_a_shard_group_of_one():
+    b = stage_buffers(run(gpus=1, zero=3, precision="bf16"))
+    assert b["fsdp_unsharded_params"].bytes == b["fsdp_reduce_scatter"].bytes == 0
+    assert b["amp_weight_casts"].bytes == 2 * (N - EMB)
+
+
+def test_lora_buffers_follow_the_trainable_parameters():
+    r = run(gpus=2, precision="bf16", lora_rank=8)
+    from memcalc.cost.params import stage_param_split
+
+    adapters = stage_param_split(r, 0).trainable
+    b = stage_buffers(r)
+    assert b["ddp_buckets"].bytes == 4 * adapters
+    assert b["amp_weight_casts"].bytes == 2 * adapters  # the frozen base is stored in bf16 already
+    assert b["foreach_adam_temporaries"].bytes == 4 * adapters
+
+
+def test_cublas_workspaces():
+    # CublasHandlePool: 32 MiB per (handle, stream) on sm90+; forward and backward threads use two handles
+    assert stage_buffers(run())["cublas_workspaces"].bytes == 64 * MIB
+
+
+# --- megatron ---------------------------------------------------------------------------------------------------
+
+
+def test_megatron_adds_no_gradient_buffer_and_one_dummy_wgrad_per_weight_shape():
+    r = run(profile="megatron", tp=2, gpus=4, zero=1)
+    b = stage_buffers(r)
+    # one layer's linear weights per TP rank: q 32x64 + k,v 2*32x64 + o 64x32 + gate,up 2*128x64 + down 64x128
+    # = 2048 + 4096 + 2048 + 16384 + 8192 = 32768 elements, bf16 -> 65536 bytes
+    assert b["te_dummy_wgrads"].bytes == 2 * 32_768 and b["te_dummy_wgrads"].phases == ALL_PHASES
+    assert b["te_cublas_workspace"].bytes == 32 * MIB
+    # the contiguous fp32 main-grad buffer is states.grads; the distributed optimizer gathers in place
+    assert set(b) == {"te_dummy_wgrads", "te_cublas_workspace", "cublas_workspaces"}
+    assert "te_dummy_wgrads" not in stage_buffers(run(profile="megatron", lora_rank=8))
+
+
+# --- deepspeed --------------------------------------------------------------------------------------------------
+
+# Shapes whose largest unit, scaled by `--params`, is exactly DeepSpeed's largest layer (tied embedding, MHA 16 heads,
+# GELU): largest_unit_params = vocab*1024 * params // shape_params. Found by search; the arithmetic is checked below.
+T5_3B_COLD = ModelSpec(name="t5-3b-cold", hidden=1024, layers=100, heads=16, ffn=11750, vocab=31328, mlp="gelu",
+                       tied_embeddings=True, params_override=2_851_000_000)  # largest layer 32,000,000
+T5_3B_LIVE = ModelSpec(name="t5-3b-live", hidden=1024, layers=112, heads=16, ffn=10453, vocab=32693, mlp="gelu",
+                       tied_embeddings=True, params_override=2_851_000_000)  # 32,899,072 = 32128 * 1024
+T5_LARGE = ModelSpec(name="t5-large", hidden=1024, layers=144, heads=16, ffn=658, vocab=36394, mlp="gelu",
+                     tied_embeddings=True, params_override=737_670_000)  # largest layer 32,900,000
+
+
+def _ds_gpu_bytes(model, gpus, offload="none"):
+    r = run(model=model, profile="deepspeed", gpus=gpus, zero=3, precision="fp16", offload=offload)
+    b = stage_buffers(r)
+    return model_states(r).total + b["zero3_largest_layer"].bytes, b
+
+
+@pytest.mark.parametrize("model,ll", [(T5_3B_COLD, 32_000_000), (T5_3B_LIVE, 32_899_072), (T5_LARGE, 32_900_000)])
+def test_ds_shapes_have_the_stated_largest_layer(model, ll):
+    assert largest_unit_params(run(model=model, profile="deepspeed")) == ll
+
+
+def test_deepspeed_estimator_t5_3b_8_gpus():
+    # DeepSpeed docs/code-docs/source/memory.rst, estimate_zero3_model_states_mem_needs_all_{cold,live} for t5-3b
+    # (2851M params) on 1 node x 8 GPUs: largest_layer_memory = 4 * LL; no offload 4*LL + 18*P/8;
+    # offload optimizer 4*LL + 2*P/8; offload params and optimizer 4*LL.
+    cold, _ = _ds_gpu_bytes(T5_3B_COLD, 8)
+    assert cold == 4 * 32_000_000 + 18 * 2_851_000_000 // 8 == 6_542_750_000
+    assert f"{cold / GIB:.2f}" == "6.09"
+    live, _ = _ds_gpu_bytes(T5_3B_LIVE, 8)
+    assert live == 4 * 32_899_072 + 18 * 2_851_000_000 // 8 and f"{live / GIB:.2f}" == "6.10"
+    assert f"{_ds_gpu_bytes(T5_3B_COLD, 8, 'optimizer')[0] / GIB:.2f}" == "0.78"
+    assert f"{_ds_gpu_bytes(T5_3B_LIVE, 8, 'optimizer')[0] / GIB:.2f}" == "0.79"
+    assert f"{_ds_gpu_bytes(T5_3B_COLD, 8, 'params')[0] / GIB:.2f}" == "0.12"
+
+
+def test_deepspeed_estimator_t5_large_4_gpus():
+    # memory.rst worked example (t5-large, 737.67M params, largest layer 32.9M, 4 GPUs), in MiB (>> 20):
+    # no offload 3291, full offload 125, optimizer offload 477
+    assert _ds_gpu_bytes(T5_LARGE, 4)[0] >> 20 == 3291
+    assert _ds_gpu_bytes(T5_LARGE, 4, "params")[0] >> 20 == 125
+    assert _ds_gpu_bytes(T5_LARGE, 4, "optimizer")[0] >> 20 == 477
+
+
+def test_deepspeed_zero3_buffers_beyond_the_estimator():
+    _, b = _ds_gpu_bytes(T5_3B_COLD, 8)
+    # stage3.py: persistent flat bucket of reduce_bucket_size = 5e8 fp16 elements
+    assert b["zero3_ipg_bucket"].bytes == 1_000_000_000 and b["zero3_ipg_bucket"].phases == ALL_PHASES
+    assert b["zero3_prefetch"].bytes == 2 * 50_000_000  # stage3_prefetch_bucket_size
+    assert b["zero3_reuse_window"].bytes == 2 * 500_000_000  # max_reuse_distance / 2 elements kept gathered
+    small = stage_buffers(run(profile="deepspeed", gpus=2, zero=3, precision="bf16"))
+    assert small["zero3_prefetch"].bytes == small["zero3_reuse_window"].bytes == 2 * N  # capped by the model
+
+
+def test_deepspeed_zero12_ipg_and_zero0_allreduce_buckets():
+    for z in (1, 2):
+        b = stage_buffers(run(profile="deepspeed", gpus=2, zero=z, precision="bf16"))["zero_ipg_buffers"]
+        assert b.bytes == 2 * 500_000_000 and b.phases == {"backward"}  # one bucket: overlap_comm off for 1/2
+    b0 = stage_buffers(run(profile="deepspeed", gpus=2, zero=0, precision="fp16"))["allreduce_bucket"]
+    assert b0.bytes == 2 * N and b0.phases == {"optimizer"}  # min(390720, 5e8) fp16 elements
+    assert stage_buffers(run(profile="deepspeed", gpus=1, zero=0, precision="fp16"))["allreduce_bucket"].bytes == 0
+
+
+def test_phase_total():
+    b = stage_buffers(run(gpus=2, precision="fp32"))
+    assert phase_total(b, "forward") == 4 * N + 64 * MIB
+    assert phase_total(b, "optimizer") == 4 * N + 4 * N + 64 * MIB
+
+
+# --- arrays ------------------------------------------------------------------------------------------------------
+
+LAYOUTS = [(1, 1, 0), (2, 2, 1), (8, 4, 0), (4, 1, 1), (2, 4, 1)]  # (dp, tp, stage) with pp = 2
+
+
+@pytest.mark.parametrize("profile,zero,precision", [
+    ("torch", 0, "fp32"), ("torch", 1, "bf16"), ("torch", 2, "fp32"), ("torch", 3, "bf16"),
+    ("megatron", 1, "bf16"), ("deepspeed", 0, "fp16"), ("deepspeed", 2, "bf16"), ("deepspeed", 3, "fp16"),
+])
+def test_arrays_equal_scalars(profile, zero, precision):
+    base = run(profile=profile, zero=zero, precision=precision, pp=2, gpus=2)
+    dp = np.array([x[0] for x in LAYOUTS], dtype=np.int64)
+    tp = np.array([x[1] for x in LAYOUTS], dtype=np.int64)
+    stage = np.array([x[2] for x in LAYOUTS], dtype=np.int64)
+    arr = base.replace(dp=dp, tp=tp, gpus=dp * tp * 2, micro_batch=np.ones_like(dp), grad_accum=np.ones_like(dp))
+    got = stage_buffers(arr, stage)
+    for i, (d, t, s) in enumerate(LAYOUTS):
+        want = stage_buffers(run(profile=profile, zero=zero, precision=precision, pp=2, tp=t, gpus=d * t * 2), s)
+        assert set(got) == set(want)
+        for name, buf in want.items():
+            assert int(np.broadcast_to(got[name].bytes, dp.shape)[i]) == buf.bytes, (name, i)
+            assert got[name].phases == buf.phases
+
+
+def test_extra_nccl_communicators():
+    # NVIDIA/nccl #964: 544 MiB for a 2-rank communicator, 688 MiB for larger ones; the preset holds one
+    from memcalc.cost.buffers import communicator_bytes, extra_communicator_bytes
+
+    assert communicator_bytes(run(gpus=1)) == (0, 0)
+    assert extra_communicator_bytes(run(gpus=8)) == 0  # DP only: the preset's one communicator
+    r = run(tp=2, pp=2, gpus=16)  # tp 2 (544), pp 2 (544), dp 4 (688)
+    assert communicator_bytes(r) == ((544 + 544 + 688) * MIB, 688 * MIB)
+    assert extra_communicator_bytes(r) == (544 + 544) * MIB
+    arr = r.replace(tp=np.array([1, 2, 4]), gpus=np.array([8, 16, 32]))
+    assert [int(x) for x in extra_communicator_bytes(arr)] == [
+        extra_communicator_bytes(run(tp=t, pp=2, gpus=8 * t)) for t in (1, 2, 4)
+    ]

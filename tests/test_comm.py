@@ -1,0 +1,459 @@
+"""Communication model: published volumes (ZeRO paper sec. 7, Megatron-LM, nccl-tests), the per-step collectives
+measured in /work/shared/research/validation-findings.md ("Measuring communication"), placement and bandwidth,
+and exact agreement between the scalar `collectives()` and the array-polymorphic totals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memcalc.cost import comm, compute
+from memcalc.cost.estimate import estimate
+from memcalc.cost.params import embedding_params, head_params, norm_params, stage_params, total_params
+from memcalc.specs import HardwareSpec, ModelSpec, MoESpec, ParallelSpec, TrainingSpec, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# H100 SXM figures used throughout (NVIDIA H100 datasheet): NVLink 900 GB/s bidirectional = 450e9 B/s per
+# direction per GPU, 8 GPUs per node, one 400 Gb/s NIC per GPU = 50e9 B/s, 989 TFLOP/s dense bf16.
+H100 = HardwareSpec(name="h100", memory_bytes=80 * 2**30, flops={"bf16": 989e12, "fp16": 989e12},
+                    gpus_per_node=8, intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9, latency_s=5e-6)
+
+TINY = ModelSpec(name="tiny", hidden=256, layers=4, heads=8, kv_heads=8, ffn=1024, vocab=1000)
+GPT = ModelSpec(name="gpt", hidden=1024, layers=8, heads=16, ffn=4096, vocab=51200, mlp="gelu", norm="layernorm",
+                qkv_bias=True, linear_bias=True, positions="learned", max_positions=2048, tied_embeddings=True)
+
+TRAIN_KEYS = set(TrainingSpec.model_fields)
+PAR_KEYS = set(ParallelSpec.model_fields)
+
+
+def make(model: ModelSpec = TINY, profile: str = "torch", hw: HardwareSpec = H100, **kw):
+    t = {k: v for k, v in kw.items() if k in TRAIN_KEYS}
+    p = {k: v for k, v in kw.items() if k in PAR_KEYS}
+    assert set(kw) == set(t) | set(p), set(kw) - set(t) - set(p)
+    return resolve(model, TrainingSpec(**t), ParallelSpec(**p), hw, profile)
+
+
+def pick(colls, op, group, contains=""):
+    found = [c for c in colls if c.op == op and c.group == group and contains in c.note]
+    assert len(found) == 1, [(c.op, c.group, c.note) for c in colls]
+    return found[0]
+
+
+def kinds(colls):
+    return sorted((c.group, c.op) for c in colls)
+
+
+# ------------------------------------------------------------------------------------------ ring factors
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 64])
+def test_nccl_tests_bus_bandwidth_factors(n):
+    """nccl-tests doc/PERFORMANCE.md: busbw = algbw * 2(n-1)/n (all-reduce), (n-1)/n (reduce-scatter,
+    all-gather, all-to-all), 1 (broadcast); send/recv moves the buffer once."""
+    s = 8 * 2**20
+    expect = {"all-reduce": s * 2 * (n - 1) // n, "reduce-scatter": s * (n - 1) // n, "all-gather": s * (n - 1) // n,
+              "all-to-all": s * (n - 1) // n, "broadcast": s, "send/recv": s}
+    for op, want in expect.items():
+        t = comm._Term(op=op, group="dp", dtype="bf16", n=n, s=s, calls=1, intra=True, bw=1e9, window="none",
+                       tail=0.0, note="", per_mb=False)
+        assert t.bytes_per_step == want, op
+        steps = {"all-reduce": 2 * (n - 1), "send/recv": 1}.get(op, n - 1)
+        assert t.seconds(1e-5) == pytest.approx(steps * 1e-5 + want / 1e9)
+
+
+# ------------------------------------------------------------------------------------------ ZeRO paper sec. 7
+
+
+@pytest.mark.parametrize("nd", [8, 64])
+def test_zero_paper_section7_volumes(nd):
+    """Rajbhandari et al. 2019 sec. 7.2 (reference-cases.json zero_comm_volume): per device, DP all-reduce 2 Psi
+    elements, ZeRO P_os and P_os+g 2 Psi, P_os+g+p 3 Psi (x (n-1)/n for ring collectives). fp16 params and grads
+    (DeepSpeed mixed precision), one micro-batch per step."""
+    psi = total_params(TINY)
+    for zero, elements in [(0, 2 * psi), (1, 2 * psi), (2, 2 * psi), (3, 3 * psi)]:
+        r = make(profile="deepspeed", precision="fp16", dp=nd, zero=zero, micro_batch=1, grad_accum=1)
+        colls = comm.collectives(r)
+        assert all(c.group == "dp" and c.dtype == "fp16" for c in colls)
+        sent_elements = sum(c.bytes_per_step for c in colls) // 2
+        # each collective rounds down on its own
+        assert abs(sent_elements - elements * (nd - 1) // nd) <= len(colls)
+    # ZeRO-3 is 1.5x DP (sec. 7.2.2)
+    v0 = sum(c.bytes_per_step for c in comm.collectives(make(profile="deepspeed", precision="fp16", dp=nd)))
+    v3 = sum(c.bytes_per_step for c in comm.collectives(make(profile="deepspeed", precision="fp16", dp=nd, zero=3)))
+    assert v3 / v0 == pytest.approx(1.5, rel=1e-6)
+
+
+def test_zero2_and_3_repeat_per_micro_batch_zero1_does_not():
+    """DeepSpeed stage_1_and_2.py: ZeRO-2 reduces every micro-batch (grads are partitioned), ZeRO-1 only at the
+    accumulation boundary; ZeRO-3 gathers and reduces every micro-batch."""
+    ga = 4
+    z1 = comm.collectives(make(profile="deepspeed", precision="bf16", dp=8, zero=1, grad_accum=ga))
+    z2 = comm.collectives(make(profile="deepspeed", precision="bf16", dp=8, zero=2, grad_accum=ga))
+    z3 = comm.collectives(make(profile="deepspeed", precision="bf16", dp=8, zero=3, grad_accum=ga))
+    assert pick(z1, "reduce-scatter", "dp").calls_per_step == 1
+    assert pick(z2, "reduce-scatter", "dp").calls_per_step == ga
+    assert pick(z1, "all-gather", "dp").calls_per_step == pick(z2, "all-gather", "dp").calls_per_step == 1
+    assert [c.calls_per_step for c in z3] == [ga, ga, ga]
+    assert pick(z2, "reduce-scatter", "dp").calls_per_micro_batch == 1.0
+    assert pick(z1, "reduce-scatter", "dp").calls_per_micro_batch == 1 / ga
+
+
+def test_megatron_distributed_optimizer():
+    """Megatron docs/user-guide/features/dist_optimizer.md: reduce-scatter of the fp32 main grads, all-gather of
+    the bf16 params, once per step; plain DDP: one fp32 all-reduce."""
+    n = 16
+    r = make(profile="megatron", dp=n, zero=1, grad_accum=8)
+    p = stage_params(r, 0)[0]  # Megatron pads the vocabulary to a multiple of 128: 1000 -> 1024 rows
+    assert p == total_params(TINY) + 2 * 24 * TINY.hidden
+    colls = comm.collectives(r)
+    rs, ag = pick(colls, "reduce-scatter", "dp"), pick(colls, "all-gather", "dp")
+    assert (rs.dtype, rs.bytes_per_call, rs.calls_per_step, rs.bytes_per_step) == ("fp32", 4 * p, 1, 4 * p * 15 // 16)
+    assert (ag.dtype, ag.bytes_per_call, ag.calls_per_step, ag.bytes_per_step) == ("bf16", 2 * p, 1, 2 * p * 15 // 16)
+    ddp = pick(comm.collectives(make(profile="megatron", dp=n, grad_accum=8)), "all-reduce", "dp")
+    assert (ddp.dtype, ddp.bytes_per_step) == ("fp32", 4 * p * 2 * 15 // 16)
+
+
+# ------------------------------------------------------------------------------------------ measured (torch)
+
+
+def test_measured_ddp_fp32():
+    """validation-findings: DDP, fp32 AdamW: one all-reduce of 4P bytes per step (no_sync while accumulating)."""
+    p = total_params(TINY)
+    for ga in (1, 3):
+        colls = comm.collectives(make(precision="fp32", dp=2, grad_accum=ga))
+        assert kinds(colls) == [("dp", "all-reduce")]
+        c = colls[0]
+        assert (c.bytes_per_call, c.calls_per_step, c.dtype) == (4 * p, 1, "fp32")
+        assert c.bytes_per_step == 4 * p  # 2(n-1)/n = 1 at n = 2
+
+
+def test_measured_ddp_amp_reduces_fp32_grads():
+    """AMP keeps fp32 params and grads: DDP all-reduces 4P even when computing in bf16."""
+    p = total_params(TINY)
+    c = pick(comm.collectives(make(precision="bf16", dp=4)), "all-reduce", "dp")
+    assert (c.dtype, c.bytes_per_call) == ("fp32", 4 * p)
+
+
+def test_measured_zero_redundancy_optimizer():
+    """validation-findings: ZeroRedundancyOptimizer: all-reduce 4P + broadcast 4P per step."""
+    p = total_params(TINY)
+    colls = comm.collectives(make(precision="fp32", dp=2, zero=1))
+    assert kinds(colls) == [("dp", "all-reduce"), ("dp", "broadcast")]
+    assert pick(colls, "all-reduce", "dp").bytes_per_call == 4 * p
+    b = pick(colls, "broadcast", "dp")
+    assert (b.bytes_per_call, b.bytes_per_step, b.calls_per_step) == (4 * p, 4 * p, 1)
+
+
+def _root(model: ModelSpec) -> int:
+    """Parameters outside the layers: embedding, final norm, LM head (FSDP2's root module)."""
+    head = 0 if model.tied_embeddings else head_params(model)
+    return embedding_params(model) + norm_params(model) + head
+
+
+def test_measured_fsdp2_zero3_fp32():
+    """validation-findings: FSDP2 ZeRO-3: all-gather 4P in forward and again in backward (the root module is not
+    resharded after forward, so not re-gathered) + reduce-scatter 4P."""
+    p = total_params(TINY)
+    colls = comm.collectives(make(precision="fp32", dp=4, zero=3))
+    fwd = pick(colls, "all-gather", "dp", "forward")
+    bwd = pick(colls, "all-gather", "dp", "backward")
+    rs = pick(colls, "reduce-scatter", "dp")
+    assert fwd.bytes_per_call == 4 * p
+    assert bwd.bytes_per_call == 4 * (p - _root(TINY))
+    assert rs.bytes_per_call == 4 * p
+    assert {c.dtype for c in colls} == {"fp32"}
+    assert fwd.bytes_per_step == 4 * p * 3 // 4
+
+
+def test_measured_fsdp2_zero2_like():
+    """validation-findings: fully_shard(reshard_after_forward=False): all-gather 4P + reduce-scatter 4P."""
+    p = total_params(TINY)
+    colls = comm.collectives(make(precision="fp32", dp=4, zero=2))
+    assert kinds(colls) == [("dp", "all-gather"), ("dp", "reduce-scatter")]
+    assert pick(colls, "all-gather", "dp").bytes_per_call == 4 * p
+    assert pick(colls, "reduce-scatter", "dp").bytes_per_call == 4 * p
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_measured_fsdp2_bf16_gathers_bf16_reduces_fp32(zero):
+    """validation-findings: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): all-gathers in bf16,
+    reduce-scatter in fp32."""
+    p = total_params(TINY)
+    colls = comm.collectives(make(precision="bf16", dp=4, zero=zero))
+    for c in colls:
+        if c.op == "all-gather":
+            assert c.dtype == "bf16"
+            assert c.bytes_per_call in (2 * p, 2 * (p - _root(TINY)))
+        else:
+            assert (c.op, c.dtype, c.bytes_per_call) == ("reduce-scatter", "fp32", 4 * p)
+
+
+def test_measured_torch_tp_unfused_counts():
+    """validation-findings: DTensor TP with q/k/v and gate/up unfused: (2L+1) all-reduces in forward and (5L+1) in
+    backward (of s*b*h activations), plus the logits all-gather."""
+    s, b, h, L, V = 128, 2, TINY.hidden, TINY.layers, TINY.vocab
+    colls = comm.collectives(make(precision="fp32", tp=2, seq=s, micro_batch=b))
+    ars = [c for c in colls if c.op == "all-reduce"]
+    assert sum(c.calls_per_step for c in ars) == (2 * L + 1) + (5 * L + 1)
+    assert {c.bytes_per_call for c in ars} == {s * b * h * 4}
+    logits = pick(colls, "all-gather", "tp", "logits")
+    assert (logits.calls_per_step, logits.bytes_per_call) == (1, s * b * V * 4)
+    # GELU MLP: one column-parallel linear fewer per layer in backward
+    gelu = TINY.model_copy(update={"mlp": "gelu"})
+    ars = [c for c in comm.collectives(make(gelu, precision="fp32", tp=2, seq=s, micro_batch=b)) if c.op == "all-reduce"]
+    assert sum(c.calls_per_step for c in ars) == (2 * L + 1) + (4 * L + 1)
+
+
+def test_torch_tp_full_recompute_replays_one_all_reduce_per_layer():
+    """validation-findings: non-reentrant checkpointing with TP replays one all-reduce per layer, not two."""
+    L = TINY.layers
+    base = pick(comm.collectives(make(tp=2)), "all-reduce", "tp", "layers").calls_per_step
+    rc = pick(comm.collectives(make(tp=2, recompute="full")), "all-reduce", "tp", "layers").calls_per_step
+    assert rc - base == L
+
+
+def test_measured_pipeline_send_recv():
+    """validation-findings: PP: micro-batches x b*s*h*4 bytes each way per stage boundary (fp32)."""
+    s, b, h, m = 64, 2, TINY.hidden, 6
+    r = make(precision="fp32", pp=2, seq=s, micro_batch=b, grad_accum=m)
+    for stage in (0, 1):  # stage 0 sends activations, stage 1 sends gradients
+        c = pick(comm.collectives(r, stage=stage), "send/recv", "pp")
+        assert (c.bytes_per_call, c.calls_per_step, c.bytes_per_step) == (b * s * h * 4, m, m * b * s * h * 4)
+    mid = pick(comm.collectives(make(precision="fp32", pp=4, seq=s, micro_batch=b, grad_accum=m), stage=1),
+               "send/recv", "pp")
+    assert mid.calls_per_step == 2 * m  # a middle stage sends both ways
+
+
+def test_interleaved_pipeline_sends_vpp_times_more():
+    """Narayanan et al. 2021 sec. 2.2.2: with v model chunks per device the p2p traffic grows v-fold."""
+    m, v = 8, 2
+    r = make(GPT, profile="megatron", pp=2, vpp=v, grad_accum=m, sp=False)
+    first = pick(comm.collectives(r, stage=0), "send/recv", "pp")
+    assert first.calls_per_step == (2 * v - 1) * m
+    r4 = make(GPT, profile="megatron", pp=4, vpp=v, grad_accum=m, sp=False)
+    assert pick(comm.collectives(r4, stage=1), "send/recv", "pp").calls_per_step == 2 * v * m
+
+
+def test_pipeline_sp_sends_a_tp_shard():
+    r = make(GPT, profile="megatron", tp=2, pp=2, seq=512, micro_batch=1)
+    c = pick(comm.collectives(r, stage=0), "send/recv", "pp")
+    assert c.bytes_per_call == 512 * 1 * GPT.hidden * 2 // 2
+
+
+def test_tied_embedding_grad_all_reduce_between_first_and_last_stage():
+    """Megatron finalize_model_grads `_allreduce_word_embedding_grads`: the word-embedding gradient (vocab shard,
+    fp32 main grads) is summed over the first and last stage once per step."""
+    r = make(GPT, profile="megatron", tp=2, pp=4, sp=False, grad_accum=4)
+    for stage in (0, 3):
+        c = pick(comm.collectives(r, stage=stage), "all-reduce", "pp")
+        assert (c.group_size, c.calls_per_step, c.dtype) == (2, 1, "fp32")
+        assert c.bytes_per_call == head_params(GPT, "megatron", 2) * 4 == c.bytes_per_step
+    assert [c for c in comm.collectives(r, stage=1) if c.op == "all-reduce" and c.group == "pp"] == []
+    untied = make(TINY, profile="megatron", pp=4)
+    assert all(c.op == "send/recv" for c in comm.collectives(untied, stage=0) if c.group == "pp")
+
+
+# ------------------------------------------------------------------------------------------ Megatron TP
+
+
+def test_megatron_tp_four_all_reduces_per_layer():
+    """Shoeybi et al. 2019 sec. 3 (Fig. 4): 2 all-reduces forward, 2 backward per layer, each of s*b*h."""
+    s, b, t, m = 2048, 2, 8, 3
+    r = make(GPT, profile="megatron", tp=t, sp=False, seq=s, micro_batch=b, grad_accum=m)
+    c = pick(comm.collectives(r), "all-reduce", "tp", "layers")
+    h, L = GPT.hidden, GPT.layers
+    assert c.bytes_per_call == s * b * h * 2
+    assert c.calls_per_micro_batch == 4 * L
+    assert c.calls_per_step == 4 * L * m
+    assert c.bytes_per_step == 4 * L * m * (s * b * h * 2) * 2 * (t - 1) // t
+    assert c.link == "intra-node" and not c.overlapped
+
+
+def test_zero_paper_megatron_12_seq_hidden_per_block_with_checkpointing():
+    """ZeRO paper sec. 7.2.2: with activation checkpointing Megatron does 6 all-reduces per block (2 replayed),
+    12 x seq x hidden elements per block counting 2x message size per all-reduce (the (n-1)/n factor ignored)."""
+    s = 1024
+    r = make(GPT, profile="megatron", tp=4, sp=False, seq=s, micro_batch=1, recompute="full")
+    c = pick(comm.collectives(r), "all-reduce", "tp", "layers")
+    per_block_calls = c.calls_per_micro_batch / GPT.layers
+    assert per_block_calls == 6
+    elements_per_block = per_block_calls * 2 * (c.bytes_per_call // 2)
+    assert elements_per_block == 12 * s * GPT.hidden
+
+
+def test_megatron_sp_same_volume_as_all_reduces():
+    """Korthikanti et al. 2022 sec. 4.2.2: SP replaces each all-reduce by all-gather + reduce-scatter: same bytes."""
+    kw = dict(tp=4, seq=1024, micro_batch=1, grad_accum=2)
+    plain = pick(comm.collectives(make(GPT, profile="megatron", sp=False, **kw)), "all-reduce", "tp", "layers")
+    sp = comm.collectives(make(GPT, profile="megatron", sp=True, **kw))
+    ag, rs = pick(sp, "all-gather", "tp", "layers"), pick(sp, "reduce-scatter", "tp", "layers")
+    assert ag.calls_per_step == rs.calls_per_step == plain.calls_per_step
+    assert ag.bytes_per_step + rs.bytes_per_step == plain.bytes_per_step
+
+
+def test_tp_overlap_flag_marks_tp_overlapped():
+    r = make(GPT, profile="megatron", tp=4, tp_overlap=True)
+    assert all(c.overlapped and c.window == "compute" for c in comm.collectives(r) if c.group == "tp")
+    assert comm.exposed_comm_seconds(r) < comm.exposed_comm_seconds(make(GPT, profile="megatron", tp=4))
+
+
+# ------------------------------------------------------------------------------------------ CP and EP
+
+
+def test_context_parallel_ring_exchange():
+    """TE AttnFuncWithCPAndKVP2P: forward (cp-1) K/V sends per layer; backward (cp-1) K/V + (cp-1) dK/dV."""
+    cp, s, b = 4, 4096, 1
+    m = ModelSpec(name="gqa", hidden=1024, layers=4, heads=16, kv_heads=4, ffn=2816, vocab=1000)
+    r = make(m, profile="megatron", cp=cp, dp=2, seq=s, micro_batch=b)
+    c = pick(comm.collectives(r), "send/recv", "cp")
+    kv = 2 * (s // cp) * b * m.kv_heads * m.head_dim * 2  # K and V of the local chunk, bf16
+    assert (c.bytes_per_call, c.calls_per_micro_batch) == (kv, 3 * (cp - 1) * m.layers)
+    assert c.overlapped and c.window == "attn"
+    # the gradient reduction runs over dp x cp
+    assert pick(comm.collectives(r), "all-reduce", "dp").group_size == 2 * cp
+
+
+def test_expert_parallel_all_to_all():
+    """GShard sec. 2 / Megatron MoEAlltoAllTokenDispatcher: dispatch + combine per MoE layer, fwd and bwd."""
+    moe = ModelSpec(name="moe", hidden=512, layers=4, heads=8, ffn=1408, vocab=1000,
+                    moe=MoESpec(experts=8, top_k=2, expert_ffn=1408))
+    s, b, ep = 1024, 2, 4
+    r = make(moe, profile="megatron", dp=8, ep=ep, seq=s, micro_batch=b, grad_accum=2)
+    colls = comm.collectives(r)
+    a2a = pick(colls, "all-to-all", "ep")
+    assert a2a.bytes_per_call == s * b * 2 * moe.hidden * 2
+    assert a2a.calls_per_step == 4 * moe.layers * 2
+    assert a2a.bytes_per_step == a2a.calls_per_step * a2a.bytes_per_call * (ep - 1) // ep
+    dense, expert = stage_params(r, 0)
+    grads = [c for c in colls if c.group == "dp"]
+    assert sorted((c.group_size, c.bytes_per_call) for c in grads) == [(8 // ep, 4 * expert), (8, 4 * dense)]
+
+
+# ------------------------------------------------------------------------------------------ placement, time
+
+
+def test_placement_and_effective_bandwidth():
+    """DESIGN sec. 5: a group is intra-node when (product of inner sizes) * size <= GPUs per node; across nodes
+    B_eff = per-GPU NIC bandwidth x the group's ranks per node."""
+    # tp=2 innermost, dp=8: dp stride 2, 4 of its ranks per node -> inter-node at 4 x 50e9
+    r = make(profile="megatron", tp=2, dp=8)
+    c = pick(comm.collectives(r), "all-reduce", "dp")
+    assert comm.ranks_per_node(r, [(2, 8)]) == 4
+    assert c.link == "inter-node"
+    assert c.seconds_per_step == pytest.approx(2 * 7 * 5e-6 + (4 * stage_params(r, 0)[0]) * 2 * 7 / 8 / (4 * 50e9))
+    tp = pick(comm.collectives(r), "all-reduce", "tp", "layers")
+    assert tp.link == "intra-node"
+    # dp innermost: dp=4 in one node at NVLink speed, tp=2 strides over 4 -> still in the node
+    r2 = make(profile="megatron", tp=2, dp=4, order="dp,tp,cp,pp")
+    c2 = pick(comm.collectives(r2), "all-reduce", "dp")
+    assert c2.link == "intra-node"
+    p2 = stage_params(r2, 0)[0]  # tp-sharded, fp32 main grads
+    assert c2.bytes_per_call == 4 * p2
+    assert c2.seconds_per_step == pytest.approx(2 * 3 * 5e-6 + 4 * p2 * 2 * 3 / 4 / 450e9)
+    # tp=8 fills the node: dp has one rank per node -> one NIC
+    r3 = make(GPT, profile="megatron", tp=8, dp=4)
+    c3 = pick(comm.collectives(r3), "all-reduce", "dp")
+    assert c3.link == "inter-node"
+    assert c3.seconds_per_step == pytest.approx(2 * 3 * 5e-6 + c3.bytes_per_step / 50e9)
+
+
+def test_missing_bandwidth_times_latency_only():
+    hw = H100.model_copy(update={"inter_node_bytes_per_s": 0.0})
+    r = make(profile="megatron", tp=2, dp=8, hw=hw)
+    c = pick(comm.collectives(r), "all-reduce", "dp")
+    assert c.seconds_per_step == pytest.approx(2 * 7 * 5e-6)
+    assert any("bandwidth" in n for n in estimate(r, advice=False).communication.notes)
+
+
+def test_dp_overlap_hides_all_but_the_last_bucket():
+    """torch DDP overlaps the all-reduce with the last micro-batch's backward except its last 25 MiB bucket."""
+    r = make(GPT, precision="bf16", dp=16, tp=1, seq=1024, micro_batch=1, grad_accum=2)
+    c = pick(comm.collectives(r), "all-reduce", "dp")
+    window = compute.overlap_windows(r)["bwd_last"]
+    tail = c.seconds_per_step * min(1.0, comm.DDP_BUCKET_BYTES / c.bytes_per_call)
+    assert comm.exposed_comm_seconds(r) == pytest.approx(max(tail, c.seconds_per_step - window))
+
+
+# ------------------------------------------------------------------------------------------ consistency
+
+
+def _agree(runs):
+    fields = ["gpus", "dp", "tp", "pp", "vpp", "cp", "ep", "micro_batch", "grad_accum", "global_batch"]
+    arr = runs[0].replace(**{f: np.array([getattr(r, f) for r in runs], dtype=np.int64) for f in fields})
+    for fn in (comm.comm_seconds_per_step, comm.exposed_comm_seconds, comm.comm_bytes_per_step,
+               compute.comm_seconds_per_step, compute.exposed_comm_seconds, compute.step_seconds,
+               compute.tokens_per_second, compute.flops_per_step, compute.model_flops_per_step,
+               compute.compute_seconds, compute.bubble_seconds, compute.achieved_mfu):
+        got = fn(arr)
+        assert isinstance(got, np.ndarray) and got.shape == (len(runs),), fn.__name__
+        for i, r in enumerate(runs):
+            assert got[i] == fn(r), (fn.__name__, i)
+
+
+LAYOUTS = [dict(tp=2, pp=1, micro_batch=1), dict(tp=2, pp=2, micro_batch=2), dict(tp=4, pp=3, micro_batch=1),
+           dict(tp=8, pp=4, micro_batch=1), dict(tp=2, pp=6, micro_batch=1, vpp=2), dict(tp=4, pp=2, micro_batch=4)]
+MODEL_A = ModelSpec(name="a", hidden=1024, layers=12, heads=16, kv_heads=8, ffn=4096, vocab=32000,
+                    tied_embeddings=True)
+
+
+@pytest.mark.parametrize("profile,zero", [("torch", 0), ("torch", 1), ("torch", 2), ("torch", 3), ("megatron", 0),
+                                          ("megatron", 1), ("megatron", 3), ("deepspeed", 1), ("deepspeed", 2),
+                                          ("deepspeed", 3)])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_arrays_equal_scalars(profile, zero, recompute):
+    runs = [make(MODEL_A, profile=profile, gpus=96, zero=zero, sp=True, seq=2048, global_batch=1536,
+                 recompute=recompute, **lay) for lay in LAYOUTS]
+    _agree(runs)
+
+
+def test_arrays_equal_scalars_cp_ep_moe_and_tp1():
+    moe = ModelSpec(name="moe", hidden=512, layers=8, heads=8, kv_heads=4, ffn=1408, vocab=1000,
+                    moe=MoESpec(experts=8, top_k=2, expert_ffn=1408, shared_experts=1))
+    lays = [dict(tp=1, cp=1, ep=1), dict(tp=2, cp=2, ep=2), dict(tp=1, cp=4, ep=8), dict(tp=4, cp=1, ep=4),
+            dict(tp=2, cp=1, ep=8, pp=2)]
+    runs = [make(moe, profile="megatron", gpus=64, seq=4096, global_batch=128, recompute="full",
+                 recompute_layers=1, **lay) for lay in lays]
+    _agree(runs)
+    runs = [make(MODEL_A, profile="torch", gpus=32, seq=1024, global_batch=64, **lay)
+            for lay in (dict(tp=1), dict(tp=2, pp=2), dict(tp=1, cp=2, pp=4))]
+    _agree(runs)
+
+
+def test_estimate_contract_and_scalar_totals_agree():
+    r = make(MODEL_A, profile="megatron", gpus=64, tp=4, pp=2, zero=1, seq=2048, global_batch=256)
+    e = estimate(r, advice=False)
+    c = e.communication
+    colls = comm.collectives(r)
+    assert c.modelled and len(c.collectives) == len(colls)
+    assert c.seconds_per_step == comm.comm_seconds_per_step(r) == sum(x.seconds_per_step for x in colls)
+    assert c.exposed_seconds_per_step == comm.exposed_comm_seconds(r)
+    assert c.bytes_per_step == comm.comm_bytes_per_step(r)
+    assert c.stage == int(comm.worst_stage(r)[0])
+    assert e.compute.step_seconds == compute.step_seconds(r)
+    assert e.compute.tokens_per_second == compute.tokens_per_second(r)
+    assert e.compute.flops_per_step == compute.flops_per_step(r)
+    assert e.compute.mfu == pytest.approx(compute.achieved_mfu(r), rel=1e-15)
+    d = e.model_dump()
+    for key in ("op", "group", "group_size", "bytes_per_call", "calls_per_step", "bytes_per_step", "seconds_per_step"):
+        assert key in d["communication"]["collectives"][0]
+
+
+def test_single_gpu_has_no_collectives():
+    r = make()
+    assert comm.collectives(r) == []
+    assert comm.comm_seconds_per_step(r) == 0.0 and comm.exposed_comm_seconds(r) == 0.0
+
+
+# ------------------------------------------------------------------------------------------ worked example
+
+
+def test_worked_example_doc_is_generated_by_the_script():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "worked_example_70b.py")], capture_output=True,
+                         text=True, check=True, cwd=ROOT).stdout
+    doc = (ROOT / "docs" / "worked-example-70b.md").read_text()
+    assert out == doc, "regenerate: python scripts/worked_example_70b.py > docs/worked-example-70b.md"

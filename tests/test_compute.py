@@ -1,0 +1,164 @@
+"""FLOPs, step time, tokens/s and MFU: published formulas (Narayanan et al. 2021 sec. 5.1, PaLM appendix B,
+Kaplan et al. 2020), published active-parameter counts, and one step time computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from memcalc.cost import comm, compute
+from memcalc.cost.estimate import estimate
+from memcalc.errors import InputError
+from memcalc.specs import HardwareSpec, ModelSpec, MoESpec, ParallelSpec, TrainingSpec, resolve
+
+TRAIN_KEYS = set(TrainingSpec.model_fields)
+PAR_KEYS = set(ParallelSpec.model_fields)
+
+H100 = HardwareSpec(name="h100", memory_bytes=80 * 2**30, flops={"bf16": 989e12}, gpus_per_node=8,
+                    intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9, latency_s=5e-6)
+
+
+def make(model, profile="megatron", hw=H100, **kw):
+    t = {k: v for k, v in kw.items() if k in TRAIN_KEYS}
+    p = {k: v for k, v in kw.items() if k in PAR_KEYS}
+    return resolve(model, TrainingSpec(**t), ParallelSpec(**p), hw, profile)
+
+
+# GPT-3 175B (Brown et al. 2020 Table 2.1; Narayanan et al. 2021 Table 1): h 12288, 96 layers, 96 heads, s 2048,
+# V 51200, GELU MLP with ffn = 4h.
+GPT3 = ModelSpec(name="gpt3-175b", hidden=12288, layers=96, heads=96, ffn=4 * 12288, vocab=51200, mlp="gelu",
+                 norm="layernorm", qkv_bias=True, linear_bias=True, positions="learned", max_positions=2048,
+                 tied_embeddings=True)
+
+
+def test_narayanan_formula_with_full_recompute():
+    """Narayanan et al. 2021 sec. 5.1: F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) per iteration with activation
+    recomputation (4 passes over the layers, 3 over the LM head)."""
+    B, s, l, h, V = 1536, 2048, 96, 12288, 51200
+    r = make(GPT3, tp=8, pp=8, gpus=1536, seq=s, micro_batch=1, global_batch=B, recompute="full")
+    want = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    assert compute.flops_per_step(r) == pytest.approx(want, rel=1e-12)
+    # without recompute: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) (the same paper's derivation, 3 passes)
+    r0 = make(GPT3, tp=8, pp=8, gpus=1536, seq=s, micro_batch=1, global_batch=B)
+    want0 = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+    assert compute.flops_per_step(r0) == pytest.approx(want0, rel=1e-12)
+    assert compute.model_flops_per_step(r) == compute.flops_per_step(r0)  # MFU excludes recompute
+
+
+def test_palm_6n_plus_attention():
+    """PaLM (Chowdhery et al. 2022) appendix B: model FLOPs per token 6N + 12 L H Q T (N the matmul parameters,
+    H heads, Q head dim, T sequence); Kaplan et al. 2020 sec. 2.1: C_forward = 2N + 2 n_layer n_ctx d_attn."""
+    llama7b = ModelSpec(name="llama-2-7b", hidden=4096, layers=32, heads=32, ffn=11008, vocab=32000)
+    s = 4096
+    r = make(llama7b, seq=s)
+    h, f, V, L = 4096, 11008, 32000, 32
+    n_matmul = L * (4 * h * h + 3 * h * f) + V * h  # q, k, v, o + gate, up, down, and the LM head
+    assert compute.model_flops_per_token(r) == 6 * n_matmul + 12 * L * 32 * 128 * s
+    assert compute.forward_flops_per_token(r) == 2 * n_matmul + 2 * L * s * (2 * h)
+
+
+def test_gqa_shrinks_k_and_v():
+    m = ModelSpec(name="gqa", hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=32000)
+    r = make(m, seq=4096)
+    h, d, g, f = 8192, 128, 8, 28672
+    assert compute.matmul_weights_per_token(r) == 2 * h * h + 2 * h * g * d + 3 * h * f
+
+
+def test_mixtral_active_parameters():
+    """Mixtral 8x7B (Jiang et al. 2024 sec. 1 and 2): 47B parameters, 13B active per token (12.9B in Mistral's
+    announcement): router + top-2 of 8 SwiGLU experts + attention per layer, plus embedding and LM head."""
+    mix = ModelSpec(name="mixtral", hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=32000,
+                    moe=MoESpec(experts=8, top_k=2, expert_ffn=14336))
+    r = make(mix, seq=4096)
+    per_layer = compute.matmul_weights_per_token(r)
+    assert per_layer == 2 * 4096 * 4096 + 2 * 4096 * 1024 + 4096 * 8 + 2 * 3 * 4096 * 14336
+    active = 32 * (per_layer + 2 * 4096) + 2 * 32000 * 4096 + 4096  # + norms, embedding, LM head
+    assert active == pytest.approx(12.9e9, rel=0.01)
+
+
+def test_selective_recompute_adds_the_attention_core_forward():
+    """Korthikanti et al. 2022 appendix A: selective recompute adds one forward of the attention matrix (2Bs^2h)
+    and of the attention over values (2Bs^2h) per layer: 4 s h per token per layer. (Their Eq. 8,
+    72BLsh^2(1 + s/(3h) + ...), and the 2.7% quoted in sec. 5 for GPT-3 add 12Bs^2h instead, three times the
+    text's own count; we follow the text: 0.9% for GPT-3.)"""
+    s, h, L, V = 2048, 12288, 96, 51200
+    base = make(GPT3, tp=8, pp=8, gpus=64, seq=s)
+    sel = make(GPT3, tp=8, pp=8, gpus=64, seq=s, recompute="selective")
+    extra = compute.recompute_flops_per_token(sel)
+    assert extra == L * 4 * s * h
+    ratio = (4 * s * h * L) / (72 * L * h**2 * (1 + s / (6 * h) + V / (12 * h * L)))
+    assert extra / compute.model_flops_per_token(base) == pytest.approx(ratio, rel=1e-12)
+    assert ratio == pytest.approx(0.0090, abs=1e-4)
+    # recompute_layers: the first k layers of every stage
+    k = make(GPT3, tp=8, pp=8, gpus=64, seq=s, recompute="full", recompute_layers=3)
+    assert compute.recomputed_layers(k) == 8 * 3
+
+
+def test_bubble_fraction():
+    """Narayanan et al. 2021 sec. 2.2: bubble = (p-1)/(v m) of the ideal compute time."""
+    for vpp, sched in ((1, None), (2, "interleaved")):
+        r = make(GPT3, tp=8, pp=8, vpp=vpp, gpus=512, seq=2048, global_batch=512, schedule=sched)
+        m = 512 // 8
+        assert compute.bubble_seconds(r) == pytest.approx(compute.compute_seconds(r) * 7 / (vpp * m))
+
+
+def test_hand_computed_step_time():
+    """torch DDP on 4 GPUs of one node, bf16 AMP (fp32 grads), 4 micro-batches of 2 x 1024 tokens per GPU."""
+    m = ModelSpec(name="small", hidden=512, layers=4, heads=8, ffn=2048, vocab=8192, mlp="gelu", norm="layernorm")
+    hw = HardwareSpec(name="toy", memory_bytes=2**34, flops={"bf16": 100e12}, gpus_per_node=8,
+                      intra_node_bytes_per_s=100e9, inter_node_bytes_per_s=10e9, latency_s=1e-5, default_mfu=0.5)
+    r = make(m, profile="torch", hw=hw, dp=4, seq=1024, micro_batch=2, grad_accum=4)
+    # FLOPs: W = 4h^2 + 2hf = 1,048,576 + 2,097,152 = 3,145,728 matmul weights per layer
+    # layer forward per token = 2W + 4 s h = 6,291,456 + 2,097,152 = 8,388,608; LM head 2hV = 8,388,608
+    fwd_tok = 4 * 8_388_608 + 8_388_608  # 41,943,040
+    tokens = 2 * 4 * 4 * 1024  # 32,768
+    flops = tokens * 3 * fwd_tok  # 4,123,168,604,160
+    assert compute.flops_per_step(r) == flops
+    rate = 100e12 * 0.5
+    comp = flops / (4 * rate)  # 0.0206158 s
+    assert compute.compute_seconds(r) == pytest.approx(comp)
+    assert compute.bubble_seconds(r) == 0
+    # DDP all-reduce of fp32 grads: P = 4 * (4h^2 + 2hf + 4h) + 2 V h + 2h = 20,980,736 params, S = 4P bytes
+    P = 4 * (4 * 512**2 + 2 * 512 * 2048 + 4 * 512) + 2 * 8192 * 512 + 2 * 512
+    assert P == 20_980_736
+    S = 4 * P  # 83,922,944 bytes
+    sent = S * 2 * 3 // 4  # ring all-reduce over 4 ranks: 125,884,416 bytes
+    t_ar = 2 * 3 * 1e-5 + sent / 100e9  # 1.3188e-3 s, NVLink (the 4 ranks are in one node)
+    (c,) = comm.collectives(r)
+    assert (c.bytes_per_call, c.bytes_per_step, c.link) == (S, sent, "intra-node")
+    assert c.seconds_per_step == pytest.approx(t_ar)
+    # it overlaps the last micro-batch's backward (2 x forward / 4 micro-batches = 3.436e-3 s) except the last
+    # 25 MiB bucket: exposed = t_ar * 26,214,400 / 83,922,944 = 4.12e-4 s
+    bwd_last = 2 * (tokens * fwd_tok / (4 * rate)) / 4
+    assert compute.overlap_windows(r)["bwd_last"] == pytest.approx(bwd_last)
+    exposed = max(t_ar * (25 * 2**20) / S, t_ar - bwd_last)
+    assert exposed == pytest.approx(4.1196e-4, rel=1e-4)
+    step = comp + exposed  # 0.021028 s
+    assert compute.step_seconds(r) == pytest.approx(step)
+    assert compute.tokens_per_second(r) == pytest.approx(tokens / step)  # ~1.558e6 tokens/s
+    assert compute.achieved_mfu(r) == pytest.approx(flops / (step * 100e12 * 4))  # ~0.490
+    out = estimate(r, advice=False).compute
+    assert out.modelled and out.step_seconds == pytest.approx(step) and out.mfu == pytest.approx(0.4902, abs=1e-4)
+
+
+def test_unknown_peak_is_said_not_guessed():
+    hw = H100.model_copy(update={"flops": {}})
+    m = ModelSpec(name="t", hidden=256, layers=2, heads=4, ffn=1024, vocab=1000)
+    r = make(m, hw=hw, dp=2)
+    out = estimate(r, advice=False).compute
+    assert not out.modelled and out.step_seconds == 0.0 and out.notes
+    with pytest.raises(InputError, match="peak FLOP/s"):
+        compute.step_seconds(r)
+
+
+def test_fp8_uses_the_fp8_peak():
+    hw = H100.model_copy(update={"flops": {"bf16": 989e12, "fp8": 1979e12}})
+    m = ModelSpec(name="t", hidden=256, layers=2, heads=4, ffn=1024, vocab=1000)
+    assert compute.peak_flops_per_gpu(make(m, hw=hw, precision="fp8")) == 1979e12
+    assert compute.peak_flops_per_gpu(make(m, hw=hw, precision="bf16")) == 989e12
+
+
+def test_mfu_setting_scales_compute_time():
+    m = ModelSpec(name="t", hidden=1024, layers=4, heads=8, ffn=4096, vocab=1000)
+    a = make(m, dp=8, mfu=0.5)
+    b = make(m, dp=8, mfu=0.25)
+    assert compute.compute_seconds(b) == pytest.approx(2 * compute.compute_seconds(a))

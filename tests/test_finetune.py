@@ -1,0 +1,148 @@
+"""Fine-tuning and the classic systems (issue 7): LoRA, QLoRA, frozen parts, parameter server, PipeDream, batch
+guidance. Hand-computed cases with the arithmetic in the test."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from memcalc.cost.estimate import estimate
+from memcalc.cost.params import lora_layer_params, stage_param_split
+from memcalc.cost.states import model_states
+from tests.conftest import cli, cli_json, run_of
+
+N_7B = 6_738_415_616
+
+
+def test_llama2_7b_lora_r8_attention_trainable_count():
+    # 4 projections (q, k, v, o) x 32 layers x (4096 x 8 for A + 8 x 4096 for B) = 8,388,608
+    r = run_of(model="llama-2-7b", lora_rank=8)
+    assert stage_param_split(r, 0).trainable == 4 * 32 * (4096 * 8 + 8 * 4096) == 8_388_608
+    assert model_states(r).trainable_params == 8_388_608
+
+
+def test_lora_targets_mlp_and_all():
+    m = run_of(model="llama-2-7b").model
+    h, f, r = 4096, 11008, 16
+    mlp = 2 * (h * r + r * f) + (f * r + r * h)  # gate, up: h->f ; down: f->h
+    assert lora_layer_params(m, "mlp", r) == mlp
+    assert lora_layer_params(m, "all", r) == mlp + 4 * (h * r + r * h)
+
+
+def test_lora_with_tp_splits_the_sharded_side():
+    m = run_of(model="llama-2-7b").model
+    h, r = 4096, 8
+    # q,k,v: A (h x r) replicated, B (r x h/t) split; o: A (h/t x r) split, B (r x h) replicated
+    assert lora_layer_params(m, "attn", r, tp=4) == 3 * h * r + r * 3 * h // 4 + h * r // 4 + r * h
+
+
+def test_frozen_base_has_no_grads_or_optimizer_state():
+    s = model_states(run_of(model="llama-2-7b", lora_rank=8, precision="bf16"))
+    n_lora = 8_388_608
+    # torch AMP recipe on the adapters: fp32 params (master) + fp32 grads + 2 fp32 Adam moments
+    assert s.grads == 4 * n_lora
+    assert s.optimizer == 8 * n_lora
+    assert s.master_weights == 0
+    # the frozen base is stored in the compute dtype (bf16): 2 bytes per base parameter
+    assert s.frozen_params_bytes == 2 * N_7B
+    assert s.params == 2 * N_7B + 4 * n_lora
+
+
+def test_qlora_nf4_about_half_a_byte_per_weight_plus_scales():
+    r = run_of(model="llama-2-7b", lora_rank=64, base_dtype="nf4")
+    split = stage_param_split(r, 0)
+    lin = split.frozen_linear  # the layers' linear weights: 32 x (4*4096^2 + 3*4096*11008)
+    assert lin == 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008) == 6_476_005_376
+    s = model_states(r)
+    # nf4: 4 bits per weight; double quantization: 1 byte absmax per 64 weights + fp32 per 256 blocks
+    nf4 = lin // 2 + lin // 64 + 4 * math.ceil(lin / (64 * 256))
+    other = 2 * (N_7B - lin)  # embeddings, head, norms in bf16
+    assert s.frozen_params_bytes == nf4 + other
+    bits_per_param = (nf4 - lin // 2) * 8 / lin
+    assert bits_per_param == pytest.approx(0.127, abs=0.001)  # QLoRA paper sec. 2: 0.127 bits per parameter
+    no_dq = model_states(run_of(model="llama-2-7b", lora_rank=64, base_dtype="nf4", double_quant=False))
+    assert no_dq.frozen_params_bytes - other == lin // 2 + 4 * (lin // 64)  # 0.5 bits per parameter of scales
+
+
+def test_int8_base_row_scales():
+    r = run_of(model="llama-2-7b", lora_rank=8, base_dtype="int8")
+    split = stage_param_split(r, 0)
+    rows = 32 * (4096 * 4 + 11008 * 2 + 4096)  # output rows: q,k,v,o = 4096 each; gate/up 11008; down 4096
+    assert split.frozen_linear_rows == rows
+    assert model_states(r).frozen_params_bytes == split.frozen_linear + 4 * rows + 2 * split.frozen_other
+
+
+def test_zero3_shards_frozen_weights_zero2_does_not():
+    z2 = model_states(run_of(model="llama-2-7b", lora_rank=8, zero=2, gpus=8))
+    z3 = model_states(run_of(model="llama-2-7b", lora_rank=8, zero=3, gpus=8))
+    assert z2.frozen_params_bytes == 2 * N_7B
+    assert z3.frozen_params_bytes == math.ceil(2 * N_7B / 8)
+
+
+def test_freeze_embeddings_and_first_layers():
+    full = model_states(run_of(model="llama-2-7b", precision="fp32"))
+    part = model_states(run_of(model="llama-2-7b", precision="fp32", freeze="embeddings,layers:16"))
+    layer = 202_383_360  # 4*4096^2 + 3*4096*11008 + 2*4096
+    frozen = 32000 * 4096 + 16 * layer
+    assert part.trainable_params == N_7B - frozen
+    # fp32 frozen weights keep their 4 bytes, but lose 4 (grad) + 8 (Adam) bytes each
+    assert full.total - part.total == 12 * frozen
+
+
+def test_freeze_is_per_pipeline_stage():
+    r = run_of(model="llama-2-7b", precision="fp32", freeze="layers:12", pp=4, gpus=4)
+    # 8 layers per stage: stage 0 freezes 8, stage 1 freezes 4, stages 2-3 none
+    layer = 202_383_360
+    frozen = [stage_param_split(r, s).frozen for s in range(4)]
+    assert frozen == [8 * layer, 4 * layer, 0, 0]
+
+
+def test_parameter_server_workers_hold_no_optimizer():
+    r = run_of(model="gpt2-xl", precision="fp32", dp_mode="ps", gpus=8)
+    s = model_states(r)
+    n = 1_557_611_200
+    assert (s.params, s.grads, s.optimizer, s.master_weights) == (4 * n, 4 * n, 0, 0)
+    assert s.ps_server == 4 * n + 4 * n + 8 * n  # full params, accumulated grads, Adam
+
+
+def test_pipedream_weight_stashing_versions():
+    base = model_states(run_of(model="llama-2-7b", pp=4, gpus=4, precision="fp32"), 0).params
+    pd = run_of(model="llama-2-7b", pp=4, gpus=4, precision="fp32", schedule="pipedream")
+    two = run_of(model="llama-2-7b", pp=4, gpus=4, precision="fp32", schedule="pipedream-2bw")
+    assert model_states(pd, 0).params == 4 * base  # pp - 0 = 4 versions on the first stage
+    assert model_states(pd, 3).params == model_states(run_of(model="llama-2-7b", pp=4, gpus=4, precision="fp32"),
+                                                      3).params  # 1 version on the last
+    assert model_states(two, 0).params == 2 * base
+
+
+def test_batch_guidance_linear_and_sqrt():
+    d = cli_json("estimate", "--model", "llama-2-7b", "--gpus", "8", "--micro-batch", "2", "--global-batch", "512",
+                 "--base-lr", "3e-4", "--base-batch", "128", "--base-warmup-steps", "2000", "--optimizer", "sgd")
+    b = d["batch"]
+    assert b["global_batch"] == 512 and b["grad_accum"] == 512 // (2 * 8) == 32
+    assert b["tokens_per_step"] == 512 * 4096
+    assert b["lr_linear"] == pytest.approx(3e-4 * 4)
+    assert b["lr_sqrt"] == pytest.approx(3e-4 * 2)
+    assert b["recommended_rule"] == "linear"  # SGD: Goyal et al.; Adam: square root
+    assert b["warmup_steps"] == 500  # same samples: 2000 x 128 / 512
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--base-dtype", "nf4"], "--lora-rank"),
+    (["--freeze", "layers:99"], "--freeze"),
+    (["--freeze", "lm"], "--freeze"),
+    (["--lora-rank", "0"], "--lora-rank"),
+    (["--lora-targets", "ffn"], "--lora-targets"),
+    (["--dp-mode", "ps", "--tp", "2", "--gpus", "2"], "--dp-mode"),
+    (["--base-lr", "1e-4"], "--base-batch"),
+    (["--schedule", "pipedream"], "--pp"),
+])
+def test_finetune_bad_input(args, needle):
+    code, _, err = cli("estimate", "--model", "llama-2-7b", *args)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_lora_fits_on_24gb_with_bf16_base():
+    est = estimate(run_of(model="llama-2-7b", lora_rank=8, gpu="rtx-4090", seq=512, recompute="full"))
+    assert est.memory.fits
