@@ -33,6 +33,7 @@ _H = "Hardware"
 _O = "Output"
 _I = "Import a framework's config"
 _F = "Fine-tuning"
+_B = "Framework buffers"
 
 
 def _opt(*names: str, help: str, panel: str, **kw: Any) -> Any:
@@ -126,6 +127,16 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                    "compute.", panel=_P)),
     "profile": (str, "torch", _opt("--profile", help="Framework whose buffers and dtypes to model: torch | "
                 "megatron | deepspeed.", panel=_P)),
+    "bucket_cap_mb": (Optional[float], None, _opt("--bucket-cap-mb", help="DDP gradient bucket size, MiB (default 25).", panel=_B, show_default=False)),
+    "gradient_as_bucket_view": (Optional[bool], None, _opt("--gradient-as-bucket-view/--no-gradient-as-bucket-view", help="DDP grads as views of the buckets.", panel=_B, show_default=False)),
+    "overlap_comm": (Optional[bool], None, _opt("--overlap-comm/--no-overlap-comm", help="DeepSpeed overlap_comm (double IPG buffers).", panel=_B, show_default=False)),
+    "contiguous_gradients": (Optional[bool], None, _opt("--contiguous-gradients/--no-contiguous-gradients", help="DeepSpeed contiguous_gradients.", panel=_B, show_default=False)),
+    "reduce_bucket_size": (Optional[int], None, _opt("--reduce-bucket-size", help="DeepSpeed reduce_bucket_size, elements (default 5e8).", panel=_B, show_default=False)),
+    "allreduce_bucket_size": (Optional[int], None, _opt("--allreduce-bucket-size", help="DeepSpeed ZeRO-0 allreduce bucket, elements.", panel=_B, show_default=False)),
+    "allgather_bucket_size": (Optional[int], None, _opt("--allgather-bucket-size", help="DeepSpeed allgather_bucket_size, elements.", panel=_B, show_default=False)),
+    "stage3_prefetch_bucket_size": (Optional[int], None, _opt("--stage3-prefetch-bucket-size", help="DeepSpeed ZeRO-3 prefetch, elements.", panel=_B, show_default=False)),
+    "stage3_max_live_parameters": (Optional[int], None, _opt("--stage3-max-live-parameters", help="DeepSpeed ZeRO-3 live parameters.", panel=_B, show_default=False)),
+    "stage3_max_reuse_distance": (Optional[int], None, _opt("--stage3-max-reuse-distance", help="DeepSpeed ZeRO-3 reuse distance.", panel=_B, show_default=False)),
     "gpu": (str, DEFAULT_GPU, _opt("--gpu", help="GPU preset (see `memcalc presets`).", panel=_H)),
     "gpus_per_node": (Optional[int], None, _opt("--gpus-per-node", help="Override the GPU preset.", panel=_H)),
     "intra_bw": (Optional[float], None, _opt("--intra-bw", help="Intra-node bytes/s per GPU per direction.",

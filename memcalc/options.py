@@ -126,6 +126,17 @@ class RunOptions:
     base_batch: int | None = None
     base_warmup_steps: int | None = None
     dp_mode: str = "collective"
+    # framework buffer knobs (None: the framework default); names match TrainingSpec and DeepSpeed's config keys
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool | None = None
+    overlap_comm: bool | None = None
+    contiguous_gradients: bool | None = None
+    reduce_bucket_size: int | None = None
+    allreduce_bucket_size: int | None = None
+    allgather_bucket_size: int | None = None
+    stage3_prefetch_bucket_size: int | None = None
+    stage3_max_live_parameters: int | None = None
+    stage3_max_reuse_distance: int | None = None
     gpus: int | None = None
     dp: int | None = None
     tp: int = 1
@@ -155,6 +166,9 @@ class RunOptions:
     import_report: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
+BUFFER_KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "overlap_comm", "contiguous_gradients",
+                "reduce_bucket_size", "allreduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                "stage3_max_live_parameters", "stage3_max_reuse_distance")
 IMPORT_FIELDS = ("deepspeed_config", "megatron_args", "torchtitan_config")
 SHAPE_CHOICE_FIELDS = ("mlp", "norm", "tied_embeddings", "positions", "bias", "qkv_bias", "max_positions")
 
@@ -311,6 +325,7 @@ def build_run(o: RunOptions) -> Run:
             lora_rank=o.lora_rank, lora_targets=o.lora_targets, lora_alpha=o.lora_alpha, base_dtype=o.base_dtype,
             double_quant=o.double_quant, freeze=_freeze_items(o.freeze), base_lr=o.base_lr, base_batch=o.base_batch,
             base_warmup_steps=o.base_warmup_steps,
+            **{k: getattr(o, k) for k in BUFFER_KNOBS},
         )
         parallel = ParallelSpec(
             gpus=o.gpus, dp=o.dp, tp=o.tp, pp=o.pp, vpp=o.vpp, cp=o.cp, ep=o.ep, sp=o.sp, zero=o.zero,

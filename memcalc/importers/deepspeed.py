@@ -13,6 +13,7 @@ value assumed. The model itself is not in a DeepSpeed config: give --model (or -
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -258,7 +259,7 @@ def _zero(cfg: dict[str, Any], imp: Imported, source: str) -> None:
                 hidden_auto.append(k)
                 imp.recorded[f"zero_optimization.{k}"] = "auto"
             else:
-                imp.recorded[f"zero_optimization.{k}"] = int(v) if isinstance(v, float) and v.is_integer() else v
+                _knob(imp, k, int(v) if isinstance(v, float) and v.is_integer() else v)
         elif k in _ZERO_IRRELEVANT:
             imp.ignore(f"zero_optimization.{k}", "no effect on memory or step time")
         else:
@@ -269,11 +270,24 @@ def _zero(cfg: dict[str, Any], imp: Imported, source: str) -> None:
             rule = {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
                     "stage3_param_persistence_threshold": 10 * h}
             for k in hidden_auto:
-                imp.recorded[f"zero_optimization.{k}"] = rule[k]
+                imp.recorded.pop(f"zero_optimization.{k}", None)
+                _knob(imp, k, rule[k])
             imp.notes.append(f"\"auto\" {', '.join(hidden_auto)} resolved from hidden {h} as the Hugging Face "
                              "Trainer does (hidden^2, 0.9*hidden^2, 10*hidden)")
 
         imp.deferred.append(resolve_auto)
+
+
+_RUN_FIELDS = {f.name for f in dataclasses.fields(RunOptions)}
+
+
+def _knob(imp: Imported, key: str, value: Any) -> None:
+    """A zero_optimization setting: set as an option when RunOptions has a field of that name (bucket sizes,
+    overlap_comm, ...), else recorded in the report as read but not modelled."""
+    if key in _RUN_FIELDS:
+        imp.set(key, value)
+    else:
+        imp.recorded[f"zero_optimization.{key}"] = value
 
 
 def _optimizer(cfg: dict[str, Any], imp: Imported, source: str) -> None:
