@@ -325,11 +325,18 @@ def schema() -> None:
     sys.stdout.write(estimate_schema_json())
 
 
-def _register_optional_commands() -> None:
-    """Commands that live in their own modules (plan, validate, schema) register themselves here."""
+OPTIONAL_COMMANDS = {"plan": "memcalc.plan.cli", "validate": "memcalc.validate.cli"}
+_registered: set[str] = set()
+
+
+def register_optional_commands(names: list[str] | None = None) -> None:
+    """Commands that live in their own modules (plan, validate) register themselves on demand: building a
+    command's ~90 options costs tens of milliseconds, and `estimate` runs in loops and CI."""
     import importlib
 
-    for mod in ("memcalc.plan.cli", "memcalc.validate.cli"):
+    for name, mod in OPTIONAL_COMMANDS.items():
+        if (names is not None and name not in names) or name in _registered:
+            continue
         try:
             module = importlib.import_module(mod)
         except ModuleNotFoundError as e:
@@ -337,9 +344,17 @@ def _register_optional_commands() -> None:
                 continue
             raise
         module.register(app)
+        _registered.add(name)
 
 
-_register_optional_commands()
+def _commands_needed(argv: list[str]) -> list[str] | None:
+    """Which optional commands this invocation needs: the one named, or all of them for top-level help."""
+    words = [a for a in argv if not a.startswith("-")]
+    if words and words[0] in OPTIONAL_COMMANDS:
+        return [words[0]]
+    if words:
+        return []
+    return None  # `memcalc`, `memcalc --help`: list every command
 
 
 def _click_api() -> tuple[Any, type, type]:
@@ -356,6 +371,7 @@ def _click_api() -> tuple[Any, type, type]:
 
 def main(argv: list[str] | None = None) -> None:
     click_exc, Exit, Abort = _click_api()
+    register_optional_commands(_commands_needed(sys.argv[1:] if argv is None else argv))
     command = typer.main.get_command(app)
     try:
         rv = command.main(args=argv, prog_name="memcalc", standalone_mode=False)
