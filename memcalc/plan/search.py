@@ -16,8 +16,7 @@ How the search runs (no per-configuration Python object, log line or string in t
    the first one over the budget are dropped (`pruned_micro_batch`); layouts that failed round 1 are never
    evaluated again.
 4. Step time, tokens/s and MFU are computed (in bulk, once per group) only for what fits, by the compute model's
-   array-polymorphic `step_seconds` / `flops_per_step` / `tokens_per_second`; until memcalc.cost.compute provides
-   them an interim model (`_interim_times`, documented in docs/plan.md) stands in, and the output says so.
+   array-polymorphic `step_seconds` (compute + bubble + exposed communication, memcalc/cost/compute.py).
 5. Ranking by the objective and the memory-vs-throughput Pareto front are numpy sorts. Only the top K are turned
    into options, re-resolved by `build_run` and re-run through `estimate`, so that the plan's memory,
    communication and compute blocks are exactly what `memcalc estimate --json` prints for its command.
@@ -33,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from memcalc.cost.buffers import extra_communicator_bytes
 from memcalc.cost.fragmentation import fragmentation_bytes
-from memcalc.cost.params import total_params
 from memcalc.cost.timeline import stage_memory
 from memcalc.errors import InputError
 from memcalc.options import RunOptions, build_run
@@ -90,6 +89,7 @@ class Columns:
 @dataclasses.dataclass
 class SearchResult:
     request: Request
+    options: RunOptions  # the request's options with any imported config merged in
     base: Run
     space: Space
     feasible: Columns
@@ -97,7 +97,6 @@ class SearchResult:
     rejected: dict[str, int]
     evaluated: int
     wall_seconds: float
-    time_model: str
     capacity: int
     budget: int
 
@@ -109,8 +108,19 @@ class SearchResult:
 # --- base run and per-configuration options ---------------------------------------------------------------------
 
 
-def check_request(req: Request) -> None:
+def check_request(req: Request) -> RunOptions:
+    """Check the plan-level inputs; return the options with any imported framework config merged in."""
+    from memcalc.options import IMPORT_FIELDS, check_choice
+
     o = req.options
+    if any(getattr(o, f) for f in IMPORT_FIELDS):
+        from memcalc.importers import apply_imports
+
+        o = apply_imports(o)
+    o = dataclasses.replace(o, schedule=check_choice("schedule", o.schedule))
+    if check_choice("dp_mode", o.dp_mode) != "collective":
+        raise InputError(f"--dp-mode {o.dp_mode} fixes the layout (tp = pp = cp = 1, ZeRO-0): plan searches "
+                         "collective data parallelism; use `memcalc estimate` for it")
     if req.objective not in OBJECTIVES:
         raise InputError(f"--objective {req.objective!r} is not valid; valid: {', '.join(OBJECTIVES)}")
     if o.gpus is None:
@@ -125,6 +135,7 @@ def check_request(req: Request) -> None:
         raise InputError(f"--min-headroom {req.min_headroom} must be a fraction in [0, 1)")
     if req.top < 1:
         raise InputError(f"--top {req.top} must be at least 1")
+    return o
 
 
 def base_options(o: RunOptions) -> RunOptions:
@@ -138,7 +149,7 @@ def base_options(o: RunOptions) -> RunOptions:
 
 def config_options(res: SearchResult, pair: int, combo: int) -> RunOptions:
     """The RunOptions of one configuration: what `memcalc estimate` needs to reproduce it."""
-    s, c, o = res.space, res.space.combos[combo], res.request.options
+    s, c, o = res.space, res.space.combos[combo], res.options
     tp, vpp = int(s.tp[pair]), int(s.vpp[pair])
     return dataclasses.replace(
         o, gpus=int(s.gpus[pair]), dp=None, tp=tp, pp=int(s.pp[pair]), vpp=vpp, cp=int(s.cp[pair]),
@@ -184,51 +195,15 @@ def command_for(o: RunOptions) -> str:
 # --- time model adapter -----------------------------------------------------------------------------------------
 
 
-def _peak_flops(run: Run) -> float:
-    f = run.hardware.flops
-    return float(f.get(run.recipe.compute_dtype) or f.get("bf16") or f.get("fp16") or f.get("fp32") or 0.0)
-
-
-def _interim_times(run: Run) -> tuple[Any, Any, Any]:
-    """Interim step time until memcalc.cost.compute provides `step_seconds` (DESIGN section 6, simplified):
-    model FLOPs per token 6N + 12*L*(a*d)*s (matmuls; attention scores and context, forward + backward), plus the
-    recompute extra (selective: the attention forward again, 4*L*(a*d)*s; full: the whole forward, 2N +
-    4*L*(a*d)*s), at the assumed MFU; plus the pipeline bubble (pp-1)/(vpp*m) of that; no communication.
-    Returns (step seconds, tokens/s, MFU)."""
-    m, t = run.model, run.training
-    n = total_params(m)
-    att = 4 * m.layers * m.heads * m.head_dim * run.seq  # attention forward FLOPs per token
-    per_token = 6 * n + 3 * att
-    extra = {"none": 0, "selective": att, "full": 2 * n + att}[t.recompute]
-    tokens = run.global_batch * run.seq
-    peak = _peak_flops(run) or 1.0
-    assumed = t.mfu or run.hardware.default_mfu
-    compute = tokens * (per_token + extra) / (run.gpus * peak * assumed)
-    step = compute + compute * (run.pp - 1) / (run.vpp * run.grad_accum)
-    return step, tokens / step, tokens * per_token / (step * run.gpus * peak)
-
-
-def time_model() -> tuple[str, Callable[[Run], tuple[Any, Any, Any]]]:
-    """(name, fn(run) -> (step seconds, tokens/s, MFU)), from memcalc.cost.compute when it provides the bulk API."""
+def times(run: Run) -> tuple[Any, Any, Any]:
+    """(step seconds, tokens/s, MFU) from memcalc.cost.compute, with the step time computed once (the compute
+    model's `tokens_per_second` and `achieved_mfu` each recompute it; tests check these equal estimate's)."""
     from memcalc.cost import compute
 
-    step_fn = getattr(compute, "step_seconds", None)
-    if step_fn is None:
-        return "interim", _interim_times
-    tps_fn = getattr(compute, "tokens_per_second", None)
-    flops_fn = getattr(compute, "flops_per_step", None)
-    mfu_fn = getattr(compute, "mfu", None)
-
-    def times(run: Run) -> tuple[Any, Any, Any]:
-        step = step_fn(run)
-        tps = tps_fn(run) if tps_fn is not None else run.global_batch * run.seq / step
-        if mfu_fn is not None:
-            mfu = mfu_fn(run)
-        else:
-            mfu = flops_fn(run) / (step * run.gpus * (_peak_flops(run) or 1.0))
-        return step, tps, mfu
-
-    return "memcalc.cost.compute", times
+    step = compute.step_seconds(run)
+    tps = compute.tokens_per_step(run) / step
+    mfu = compute.model_flops_per_step(run) / (step * compute.peak_flops_per_gpu(run) * run.gpus)
+    return step, tps, mfu
 
 
 # --- the bulk search ---------------------------------------------------------------------------------------------
@@ -245,10 +220,12 @@ def bulk_peak(run: Run, n: int) -> np.ndarray:
     """Peak bytes (allocated + fragmentation + runtime) of the worst of stage 0 and stage pp-1, per element."""
     pp = np.asarray(run.pp)
     stages: list[Any] = [0] if bool(np.all(pp == 1)) else [0, run.pp - 1]
+    # = memcalc.cost.estimate.runtime_bytes(run), which int()s its result and so takes scalar runs only
+    runtime = run.hardware.runtime_overhead_bytes + _as_i64(extra_communicator_bytes(run), n)
     peak = None
     for stage in stages:
         alloc = _as_i64(stage_memory(run, stage).allocated_peak, n)
-        total = alloc + _as_i64(fragmentation_bytes(run, alloc), n) + run.hardware.runtime_overhead_bytes
+        total = alloc + _as_i64(fragmentation_bytes(run, alloc), n) + runtime
         peak = total if peak is None else np.maximum(peak, total)
     assert peak is not None
     return peak
@@ -278,9 +255,8 @@ def _after_first_failure(layout: np.ndarray, fail: np.ndarray) -> np.ndarray:
 
 def search(req: Request, progress: Progress | None = None, keep_closest: int = 3) -> SearchResult:
     """The bulk search: counts per rule, every feasible configuration with its figures, the closest misses."""
-    check_request(req)
     t0 = time.perf_counter()
-    o = req.options
+    o = check_request(req)
     base = build_run(base_options(o))
     m, hw = base.model, base.hardware
     if o.ep > 1 and (m.moe is None or m.moe.experts % o.ep):
@@ -294,9 +270,8 @@ def search(req: Request, progress: Progress | None = None, keep_closest: int = 3
     rejected = dict(space.rejected)
     capacity = hw.memory_bytes
     budget = capacity - int(np.ceil(req.min_headroom * capacity))
-    tm_name, times = time_model()
     trainings = {rc: base.training.model_copy(update={"recompute": rc}) for rc in {c.recompute for c in space.combos}}
-    flat_sched = o.schedule if o.schedule in ("1f1b", "gpipe") else "1f1b"
+    flat_sched = o.schedule if o.schedule not in (None, "interleaved") else "1f1b"
 
     tp1 = space.tp == 1
     inter = space.vpp > 1
@@ -308,6 +283,10 @@ def search(req: Request, progress: Progress | None = None, keep_closest: int = 3
             if idx.size:
                 groups.append((ci, sched, idx))
 
+    if not groups:
+        hits = ", ".join(f"{k} {v:,}" for k, v in rejected.items() if v)
+        raise InputError(f"no configuration within the bounds is valid for --gpus {o.gpus}: of {space.considered:,} "
+                         f"considered, rejected by {hits or 'nothing'} (rules: docs/plan.md)")
     feasible: list[Columns] = []
     closest: list[Columns] = []
     evaluated = 0
@@ -354,8 +333,8 @@ def search(req: Request, progress: Progress | None = None, keep_closest: int = 3
     close = Columns.concat(closest)
     close = close.take(np.argsort(close.peak, kind="stable")[:keep_closest])
     return SearchResult(
-        request=req, base=base, space=space, feasible=Columns.concat(feasible), closest=close, rejected=rejected,
-        evaluated=evaluated, wall_seconds=time.perf_counter() - t0, time_model=tm_name, capacity=capacity,
+        request=req, options=o, base=base, space=space, feasible=Columns.concat(feasible), closest=close, rejected=rejected,
+        evaluated=evaluated, wall_seconds=time.perf_counter() - t0, capacity=capacity,
         budget=budget,
     )
 
@@ -363,19 +342,24 @@ def search(req: Request, progress: Progress | None = None, keep_closest: int = 3
 # --- ranking ------------------------------------------------------------------------------------------------------
 
 
+_OFFLOAD_RANK = {"none": 0, "optimizer": 1, "params": 2}
+
+
 def ranked(res: SearchResult) -> np.ndarray:
-    """Indices into res.feasible, best first by the objective (ties: lower peak, then fewer GPUs, then order)."""
+    """Indices into res.feasible, best first by the objective. Ties in throughput go first to no offload (the
+    host-device copies of offload are not in the time model, memcalc/cost/comm.py), then to the lower peak."""
     f, s = res.feasible, res.space
     if f.size == 0:
         return np.zeros(0, dtype=np.int64)
     gpus = s.gpus[f.pair]
+    off = np.asarray([_OFFLOAD_RANK[c.offload] for c in s.combos], dtype=np.int64)[f.combo]
     tie = np.arange(f.size)
     if res.request.objective == "memory":
-        keys = (tie, -f.tps, f.peak)
+        keys = (tie, off, -f.tps, f.peak)
     elif res.request.objective == "gpus":
-        keys = (tie, f.peak, -f.tps, gpus)
+        keys = (tie, f.peak, off, -f.tps, gpus)
     else:
-        keys = (tie, gpus, f.peak, -f.tps)
+        keys = (tie, gpus, f.peak, off, -f.tps)
     return np.lexsort(keys)
 
 
@@ -396,10 +380,10 @@ def pareto(res: SearchResult) -> np.ndarray:
 def layout_of(res: SearchResult, pair: int, combo: int) -> dict[str, Any]:
     s, c = res.space, res.space.combos[combo]
     tp, vpp = int(s.tp[pair]), int(s.vpp[pair])
-    sched = "interleaved" if vpp > 1 else (res.request.options.schedule or "1f1b")
+    sched = "interleaved" if vpp > 1 else (res.options.schedule or "1f1b")
     return {
         "gpus": int(s.gpus[pair]), "dp": int(s.dp[pair]), "tp": tp, "pp": int(s.pp[pair]), "vpp": vpp,
-        "cp": int(s.cp[pair]), "ep": res.request.options.ep, "sp": bool(c.sp and tp > 1), "zero": c.zero,
+        "cp": int(s.cp[pair]), "ep": res.options.ep, "sp": bool(c.sp and tp > 1), "zero": c.zero,
         "offload": c.offload, "recompute": c.recompute, "schedule": sched,
         "micro_batch": int(s.micro_batch[pair]), "grad_accum": int(s.grad_accum[pair]),
         "global_batch": s.global_batch,
@@ -460,7 +444,7 @@ def _advice(res: SearchResult, progress: Progress | None) -> list[dict[str, Any]
         out.append({"kind": "closest", "command": command_for(opts), "layout": layout_of(res, pair, combo),
                     "peak_bytes": peak, "budget_bytes": res.budget, "shortfall_bytes": peak - res.budget,
                     "changes": changes})
-    o = res.request.options
+    o = res.options
     for factor in (2, 4, 8, 16):
         sub = dataclasses.replace(res.request, options=dataclasses.replace(o, gpus=o.gpus * factor))
         try:
@@ -496,11 +480,11 @@ def plan(req: Request, progress: Progress | None = None, max_pareto: int = 50) -
     inputs.pop("parallel")
     for k in ("micro_batch", "grad_accum", "recompute"):
         inputs["training"].pop(k, None)
-    inputs["training"]["global_batch"] = req.options.global_batch
-    inputs["training"]["tokens_per_step"] = req.options.global_batch * res.base.seq
-    inputs["gpus"] = req.options.gpus
-    inputs["ep"] = req.options.ep
-    inputs["schedule"] = req.options.schedule
+    inputs["training"]["global_batch"] = res.options.global_batch
+    inputs["training"]["tokens_per_step"] = res.options.global_batch * res.base.seq
+    inputs["gpus"] = res.options.gpus
+    inputs["ep"] = res.options.ep
+    inputs["schedule"] = res.options.schedule
     inputs["bounds"] = req.bounds.as_dict()
     inputs["objective"] = req.objective
     inputs["min_headroom"] = req.min_headroom
@@ -518,7 +502,6 @@ def plan(req: Request, progress: Progress | None = None, max_pareto: int = 50) -
             "wall_seconds": res.wall_seconds,
             "capacity_bytes": res.capacity,
             "budget_bytes": res.budget,
-            "time_model": res.time_model,
             "rules": RULES,
         },
         "plans": plans,

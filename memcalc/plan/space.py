@@ -39,7 +39,8 @@ RULES: dict[str, str] = {
     "tp_node": "tp exceeds the GPUs per node (give --tp explicitly to allow it)",
     "pp_layers": "pp exceeds the layers",
     "vpp_layers": "vpp > 1 needs pp > 1 and layers divisible by pp*vpp",
-    "schedule": "vpp conflicts with --schedule (interleaved needs vpp > 1, 1f1b and gpipe need vpp = 1)",
+    "schedule": "vpp or pp conflicts with --schedule (interleaved needs vpp > 1, the others vpp = 1; pipedream "
+                "needs pp > 1)",
     "cp_seq": "cp does not divide the sequence length",
     "ep": "ep does not divide dp*cp",
     "global_batch": "the global batch is not a multiple of micro-batch*dp",
@@ -239,8 +240,8 @@ def enumerate_space(
     inter = VPP > 1
     if schedule == "interleaved":
         sched_bad = ~inter
-    elif schedule in ("1f1b", "gpipe"):
-        sched_bad = inter
+    elif schedule is not None:  # 1f1b, gpipe, pipedream, pipedream-2bw: one stage per rank
+        sched_bad = inter | ((PP == 1) if schedule.startswith("pipedream") else False)
     else:
         sched_bad = np.zeros(G.size, dtype=bool)
     conds = {

@@ -140,7 +140,8 @@ class Embed(nn.Module):
         x = self.tok(tokens)
         if self.pos is not None:
             s = tokens.shape[1]
-            pos = self.pos.weight[:s]
+            w = self.pos.weight
+            pos = (w.to_local() if hasattr(w, "to_local") else w)[:s]
             if self.seq_shard is not None:  # the token embedding came out sharded along the sequence
                 r, n = self.seq_shard
                 pos = pos.chunk(n, dim=0)[r]

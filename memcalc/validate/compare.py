@@ -1,0 +1,152 @@
+"""Predicted (the Estimate) vs measured (the harness), per model state, per component at the peak, per phase and
+per collective. Errors are relative to the measurement: (predicted - measured) / measured.
+
+On a device other than CUDA the GPU-only terms of the prediction are set aside, each named in `set_aside`:
+fragmentation and the runtime overhead (outside the exact live-bytes figure by definition) and the cuBLAS /
+TransformerEngine workspaces (allocated by cuBLAS on a GPU; a CPU run has none).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SCHEMA_VERSION = "1.0"
+CATEGORIES = ("params", "master_weights", "grads", "optimizer", "activations", "buffers")
+GPU_ONLY_BUFFERS = ("cublas_workspaces", "te_cublas_workspace")
+OPS = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
+       "broadcast": "broadcast", "all_to_all": "all-to-all", "send": "send/recv", "recv": "send/recv"}
+
+
+def rel_error(pred: int, meas: int) -> float | None:
+    if meas == 0:
+        return 0.0 if pred == 0 else None
+    return (pred - meas) / meas
+
+
+def verdict(pred: int, meas: int, tol: float) -> str:
+    if pred == meas:
+        return "exact"
+    e = rel_error(pred, meas)
+    return "ok" if e is not None and abs(e) <= tol else "miss"
+
+
+def predicted_view(est: Any, device: str) -> dict[str, Any]:
+    mem = est.memory
+    set_aside: dict[str, int] = {}
+    gpu_only = 0
+    if device != "cuda":
+        for k in GPU_ONLY_BUFFERS:
+            v = int(mem.buffers_detail.get(k, 0))
+            if v:
+                set_aside[k] = v
+                gpu_only += v
+        for k in ("fragmentation", "runtime"):
+            if mem.components.get(k):
+                set_aside[k] = int(mem.components[k])
+    phases: dict[str, dict[str, Any]] = {}
+    for ph in mem.phases:
+        live = {k: int(ph.live.get(k, 0)) for k in CATEGORIES}
+        if gpu_only:
+            live["buffers"] = max(0, live["buffers"] - gpu_only)
+        phases[ph.name] = {"peak_bytes": sum(live.values()), "live": live}
+    peak_phase = max(phases, key=lambda n: phases[n]["peak_bytes"])
+    st = mem.model_states_detail
+    states = {
+        "params": int(st.get("params", 0)),
+        "master_weights": int(st.get("master_weights", 0)),
+        "grads": int(st.get("grads", 0)) + int(st.get("grads_fp32_copy", 0)),
+        "optimizer": int(st.get("optimizer_moments", 0)),
+    }
+    colls = [{"op": c.op, "group": c.group, "group_size": c.group_size, "dtype": c.dtype,
+              "bytes_per_call": c.bytes_per_call, "calls_per_step": c.calls_per_step,
+              "buffer_bytes_per_step": c.bytes_per_call * c.calls_per_step} for c in est.communication.collectives]
+    return {
+        "stage": mem.reported_stage,
+        "worst_rank": mem.worst_rank,
+        "peak_bytes": phases[peak_phase]["peak_bytes"],
+        "peak_phase": peak_phase,
+        "components": phases[peak_phase]["live"],
+        "phases": phases,
+        "model_states": states,
+        "activations_detail": dict(mem.activations_detail),
+        "buffers_detail": dict(mem.buffers_detail),
+        "set_aside": set_aside,
+        "collectives": colls,
+        "communication_modelled": bool(est.communication.modelled),
+    }
+
+
+def _measured_collectives(meas: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for c in meas["collectives"]:
+        op = OPS.get(c["op"], c["op"])
+        a = out.setdefault((op, c["group"]), {"calls": 0, "bytes": 0, "dtypes": set()})
+        a["calls"] += c["calls_per_step"]
+        a["bytes"] += c["bytes_per_step"]
+        a["dtypes"].add(c["dtype"])
+    return out
+
+
+def compare_collectives(pred: dict[str, Any], meas: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+    """One row per (op, group): the full buffer bytes of all calls in a step (S x calls; not the ring-scaled
+    bytes sent) and the calls."""
+    p: dict[tuple[str, str], dict[str, Any]] = {}
+    for c in pred["collectives"]:
+        a = p.setdefault((c["op"], c["group"]), {"calls": 0, "bytes": 0, "dtypes": set()})
+        a["calls"] += int(c["calls_per_step"])
+        a["bytes"] += int(c["buffer_bytes_per_step"])
+        a["dtypes"].add(c["dtype"])
+    m = _measured_collectives(meas)
+    rows = []
+    for key in sorted(set(p) | set(m)):
+        pp_, mm = p.get(key, {"calls": 0, "bytes": 0, "dtypes": set()}), m.get(key, {"calls": 0, "bytes": 0,
+                                                                                      "dtypes": set()})
+        rows.append({
+            "op": key[0], "group": key[1],
+            "predicted_calls": pp_["calls"], "measured_calls": mm["calls"],
+            "predicted_bytes": pp_["bytes"], "measured_bytes": mm["bytes"],
+            "predicted_dtypes": sorted(pp_["dtypes"]), "measured_dtypes": sorted(mm["dtypes"]),
+            "error": rel_error(pp_["bytes"], mm["bytes"]),
+            "exact": pp_["bytes"] == mm["bytes"] and pp_["calls"] == mm["calls"],
+            "bytes_exact": pp_["bytes"] == mm["bytes"],
+        })
+    return rows
+
+
+def compare(est: Any, meas: dict[str, Any], device: str, tolerance: float,
+            inputs: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    pred = predicted_view(est, device)
+    rows: list[dict[str, Any]] = []
+
+    def row(section: str, name: str, p: int, m: int) -> None:
+        rows.append({"section": section, "name": name, "predicted": int(p), "measured": int(m),
+                     "error": rel_error(int(p), int(m)), "verdict": verdict(int(p), int(m), tolerance)})
+
+    for k in ("params", "master_weights", "grads", "optimizer"):
+        row("model_states", k, pred["model_states"][k], meas["model_states"][k])
+    for k in CATEGORIES:
+        row("peak_components", k, pred["components"].get(k, 0), meas["components"].get(k, 0))
+    for name, mph in meas["phases"].items():
+        if name in pred["phases"]:
+            p = pred["phases"][name]["peak_bytes"]
+        elif name == "forward-backward":  # pipelining interleaves forward and backward
+            p = max(pred["phases"].get(n, {"peak_bytes": 0})["peak_bytes"] for n in ("forward", "backward"))
+        else:
+            continue
+        row("phases", name, p, mph["peak_bytes"])
+    row("total", "peak", pred["peak_bytes"], meas["peak_bytes"])
+    err = rel_error(pred["peak_bytes"], meas["peak_bytes"])
+    colls = compare_collectives(pred, meas, meas.get("world_size", 1))
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "validate",
+        "inputs": inputs or {},
+        "predicted": pred,
+        "measured": meas,
+        "rows": rows,
+        "collectives": colls,
+        "error": err,
+        "tolerance": tolerance,
+        "within_tolerance": err is not None and abs(err) <= tolerance,
+        **(extra or {}),
+    }

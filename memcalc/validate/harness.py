@@ -1,0 +1,344 @@
+"""One rank: build, parallelize, run warm-up and measured steps under the Tracker, return a Measurement dict.
+
+Runs inside a worker process (memcalc/validate/runner.py). Phases of a measured step: `forward` (each
+micro-batch's forward and loss), `backward` (loss.backward()), `optimizer` (step + zero_grad(set_to_none=True));
+under pipelining the schedule interleaves them and the whole schedule is one phase, `forward-backward`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from memcalc.specs import Run
+from memcalc.validate.measure import COARSE, Tracker, replay, storage_key, summarize_collectives
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class MasterOptimizer:
+    """Low-precision params with a separate fp32 master copy in the optimizer (apex O2 style): the optimizer
+    steps the fp32 masters on fp32 copies of the grads, then copies the result back into the params."""
+
+    def __init__(self, params: list[torch.Tensor], make: Any):
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [p.detach().float() for p in self.params]
+        for m in self.masters:
+            m.requires_grad_(True)
+        self.optim = make(self.masters)
+        self.state = self.optim.state
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.optim.step()
+        for p, m in zip(self.params, self.masters):
+            p.data.copy_(m.data)
+            m.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def _make_optimizer(run: Run, foreach: bool) -> Any:
+    opt = run.training.optimizer
+
+    def make(params: Any) -> Any:
+        if opt in ("adam", "adamw"):
+            cls = torch.optim.AdamW if opt == "adamw" else torch.optim.Adam
+            return cls(params, lr=1e-4, foreach=foreach)
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9 if opt == "sgd-momentum" else 0.0, foreach=foreach)
+
+    return make
+
+
+def _optimizer_class_kwargs(run: Run, foreach: bool) -> tuple[Any, dict[str, Any]]:
+    opt = run.training.optimizer
+    if opt in ("adam", "adamw"):
+        return (torch.optim.AdamW if opt == "adamw" else torch.optim.Adam), {"lr": 1e-4, "foreach": foreach}
+    return torch.optim.SGD, {"lr": 1e-4, "momentum": 0.9 if opt == "sgd-momentum" else 0.0, "foreach": foreach}
+
+
+def _fake_allreduce_hook(group, bucket):  # noqa: ANN001 - DDP rejects a `bucket` annotation other than GradBucket
+    """DDP's default hook reads the result of the all-reduce future, which the fake group leaves empty: issue
+    the same all-reduce synchronously and hand back the bucket."""
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    dist.all_reduce(buf, group=group)
+    fut: Any = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+@contextlib.contextmanager
+def _precomputed_mesh_concat(mesh: Any, enabled: bool) -> Any:
+    """FSDP2 x TP concatenates the dp and tp meshes inside the fake-tensor region, where DeviceMesh's coordinate
+    lookup (nonzero) cannot run: build that mesh beforehand and hand it out."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not enabled:
+        yield
+        return
+    orig = DeviceMesh.__dict__["_concatenate"]
+    fn = orig.__func__
+    cached = fn([mesh["dp"], mesh["tp"]])
+
+    def patched(meshes: Any) -> Any:
+        names = tuple(n for m in meshes for n in (m.mesh_dim_names or ()))
+        return cached if names == ("dp", "tp") else fn(meshes)
+
+    DeviceMesh._concatenate = staticmethod(patched)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = orig  # type: ignore[method-assign]
+
+
+def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warmup: int,
+             fake_world: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from memcalc.validate.model import GPT, loss_fn
+    from memcalc.validate.parallelize import (
+        apply_fsdp,
+        apply_tp,
+        fsdp_buffer_storages,
+        make_mesh,
+        mesh_coords,
+        split_stage,
+    )
+
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    meta = device == "meta"
+    dev_type = "cuda" if device == "cuda" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(0 if fake_world else rank)
+    torch_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    mesh = make_mesh(run, dev_type)
+    coords = mesh_coords(run, rank)
+    recipe = run.recipe
+    m, t = run.model, run.training
+    compute_dtype = DTYPES[recipe.compute_dtype]
+    param_dtype = DTYPES[recipe.param_dtype]
+    # FSDP2 only where the shard group has more than one rank (torchtitan; memcalc/cost/buffers.py)
+    fsdp = run.zero >= 2 and run.dp > 1
+    tracker = Tracker()
+    labels: dict[str, str] = {}
+    for dim in ("dp", "pp", "tp"):
+        try:
+            labels[mesh.get_group(dim).group_name] = dim
+        except Exception:  # noqa: BLE001
+            pass
+    world_name = dist.group.WORLD.group_name
+    labels.setdefault(world_name, "dp" if run.dp == world_size else "world")
+    tracker.group_labels = labels
+
+    fake_mode: Any = contextlib.nullcontext()
+    if meta:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    cuda_phases: dict[str, dict[str, int]] = {}
+
+    with _precomputed_mesh_concat(mesh, meta and fsdp and run.tp > 1), fake_mode, tracker:
+        with torch.device(torch_device):
+            model = GPT(m, kernel=t.attention, dropout=run.dropout, recompute=t.recompute,
+                        recompute_layers=t.recompute_layers)
+        if param_dtype != torch.float32:
+            model.to(param_dtype)
+        if run.pp > 1:
+            model = split_stage(model, coords["pp"], run.pp, run)
+        ddp_model = model
+        if run.tp > 1:
+            apply_tp(model, mesh["tp"], run.sp)
+        if fsdp:
+            mp = None
+            if recipe.compute_copy:
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+            apply_fsdp(model, mesh["dp"], run.zero, mp)
+        elif run.dp > 1 and run.pp == 1 and run.tp == 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            kw: dict[str, Any] = {}
+            if t.bucket_cap_mb is not None:
+                kw["bucket_cap_mb"] = t.bucket_cap_mb
+            if t.gradient_as_bucket_view is not None:
+                kw["gradient_as_bucket_view"] = t.gradient_as_bucket_view
+            ddp_model = DDP(model, process_group=mesh.get_group("dp"), **kw)
+            if fake_world:
+                ddp_model.register_comm_hook(mesh.get_group("dp"), _fake_allreduce_hook)
+        autocast = recipe.compute_copy and not fsdp
+        foreach = recipe.foreach
+        if recipe.master_weights:
+            optim: Any = MasterOptimizer(list(model.parameters()), _make_optimizer(run, foreach))
+        elif run.zero == 1 and run.dp > 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            cls, kw = _optimizer_class_kwargs(run, foreach)
+            optim = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=cls,
+                                            process_group=mesh.get_group("dp"), **kw)
+        else:
+            optim = _make_optimizer(run, foreach)(list(model.parameters()))
+        params = [p for p in model.parameters()]
+        tracker.param_storages = {k for k in (storage_key(p) for p in params) if k is not None}
+
+        b, s, ga, V = run.micro_batch, run.seq, int(run.grad_accum), m.vocab
+        g = torch.Generator(device="cpu").manual_seed(1234 + coords["dp"])
+        tokens = torch.randint(0, V, (ga, b, s), generator=g).to(torch_device)
+        targets = torch.randint(0, V, (ga, b, s), generator=g).to(torch_device)
+
+        schedule = None
+        if run.pp > 1:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+            stage = PipelineStage(model, coords["pp"], run.pp, torch_device, group=mesh.get_group("pp"))
+            cls = ScheduleGPipe if run.schedule == "gpipe" else Schedule1F1B
+
+            def pp_loss(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+                return loss_fn(logits, tgt) / ga
+
+            schedule = cls(stage, n_microbatches=ga, loss_fn=pp_loss)
+            pp_tokens = tokens.flatten(0, 1)
+            pp_targets = targets.flatten(0, 1)
+
+        def amp() -> Any:
+            if autocast:
+                return torch.autocast(dev_type, dtype=compute_dtype)
+            return contextlib.nullcontext()
+
+        def cuda_mark(name: str, start: bool) -> None:
+            if device != "cuda":
+                return
+            if start:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                torch.cuda.synchronize()
+                ph = cuda_phases.setdefault(name, {"max_allocated": 0, "max_reserved": 0})
+                ph["max_allocated"] = max(ph["max_allocated"], torch.cuda.max_memory_allocated())
+                ph["max_reserved"] = max(ph["max_reserved"], torch.cuda.max_memory_reserved())
+
+        start_mark = 0
+        grad_keys: set[int] = set()
+        for step in range(warmup + steps):
+            measuring = step >= warmup
+            pre = "" if measuring else "w-"
+            if measuring and step == warmup:
+                start_mark = len(tracker.marks)
+                tracker.counting = True
+            if schedule is not None:
+                tracker.set_phase(pre + "forward-backward")
+                cuda_mark("forward-backward", True)
+                first, last = coords["pp"] == 0, coords["pp"] == run.pp - 1
+                with amp():
+                    if first:
+                        schedule.step(pp_tokens)
+                    elif last:
+                        losses: list[Any] = []
+                        schedule.step(target=pp_targets, losses=losses)
+                        del losses
+                    else:
+                        schedule.step()
+                cuda_mark("forward-backward", False)
+            else:
+                for mb in range(ga):
+                    sync = contextlib.nullcontext()
+                    if ddp_model is not model and mb < ga - 1:
+                        sync = ddp_model.no_sync()
+                    with sync:
+                        tracker.set_phase(pre + "forward")
+                        cuda_mark("forward", True)
+                        with amp():
+                            loss = loss_fn(ddp_model(tokens[mb]), targets[mb]) / ga
+                        cuda_mark("forward", False)
+                        tracker.set_phase(pre + "backward")
+                        cuda_mark("backward", True)
+                        loss.backward()
+                        del loss
+                        cuda_mark("backward", False)
+            if measuring:
+                for p in params:
+                    if p.grad is not None:
+                        k = storage_key(p.grad)
+                        if k is not None and k in tracker.uid:
+                            grad_keys.add(tracker.uid[k])
+            tracker.set_phase(pre + "optimizer")
+            cuda_mark("optimizer", True)
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            cuda_mark("optimizer", False)
+            tracker.set_phase(pre + "idle")
+        tracker.counting = False
+
+        # categories of the storages that are states
+        cats: dict[int, str] = {}
+
+        def label(ts: Any, cat: str) -> None:
+            for x in ts:
+                if isinstance(x, torch.Tensor):
+                    u = tracker.uid_of(x)
+                    if u is not None:
+                        cats.setdefault(u, cat)
+
+        label(params, "params")
+        for u in grad_keys:
+            cats.setdefault(u, "grads")
+        inner = getattr(optim, "optim", optim)
+        if isinstance(optim, MasterOptimizer):
+            label(optim.masters, "master_weights")
+        for st in inner.state.values():
+            label(st.values(), "optimizer")
+        if fsdp:
+            label(fsdp_buffer_storages(model), "sharded_buffers")
+        phases = replay(tracker, cats, start_mark)
+
+    param_elems = sum((p._local_tensor if hasattr(p, "_local_tensor") else p).numel() for p in params)
+    state_bytes = {"params": 0, "master_weights": 0, "grads": 0, "optimizer": 0}
+    # model states measured directly (bytes of the storages labelled above, at their largest)
+    sizes_by_uid: dict[int, int] = {}
+    cur: dict[int, int] = {}
+    for uid, d in tracker.events:
+        cur[uid] = cur.get(uid, 0) + d
+        if cur[uid] > sizes_by_uid.get(uid, 0):
+            sizes_by_uid[uid] = cur[uid]
+    for uid, cat in cats.items():
+        if cat in state_bytes:
+            state_bytes[cat] += sizes_by_uid.get(uid, 0)
+    out_phases = {}
+    for name, ph in phases.items():
+        if name in ("idle",):
+            continue
+        coarse: dict[str, int] = {}
+        for k, v in ph["live"].items():
+            coarse[COARSE[k]] = coarse.get(COARSE[k], 0) + v
+        out_phases[name] = {"peak_bytes": int(ph["peak"]), "live": coarse, "detail": ph["live"]}
+    peak_name = max(out_phases, key=lambda n: out_phases[n]["peak_bytes"])
+    return {
+        "rank": rank,
+        "coords": coords,
+        "stage": coords["pp"],
+        "device": device,
+        "world": "fake" if fake_world else "real",
+        "world_size": world_size,
+        "torch_version": torch.__version__,
+        "steps": steps,
+        "warmup": warmup,
+        "param_elements": int(param_elems),
+        "model_states": state_bytes,
+        "phases": out_phases,
+        "peak_bytes": out_phases[peak_name]["peak_bytes"],
+        "peak_phase": peak_name,
+        "components": out_phases[peak_name]["live"],
+        "components_detail": out_phases[peak_name]["detail"],
+        "collectives": summarize_collectives(tracker.collectives, steps),
+        "cuda": cuda_phases,
+        "seconds": time.perf_counter() - t0,
+    }

@@ -1,0 +1,299 @@
+"""Exact live-bytes tracking and a collective counter (see /work/shared/research/validation-findings.md).
+
+`Tracker` is a TorchDispatchMode that registers the UntypedStorage of every tensor an op returns (keyed by the
+storage's C pointer, freed through weakref.finalize), wraps `UntypedStorage.resize_` (FSDP2 frees and re-allocates
+its unsharded parameters through it, outside the dispatcher) and returns NotImplemented for DTensor so that it sees
+the local ops DTensor issues. Every allocation, resize and free is logged with the phase that caused it; the
+categories (params, grads, optimizer state, ...) are assigned afterwards from the live objects, and the log is
+replayed to get the peak of each phase and the breakdown at that moment. The same mode counts every `c10d.*` and
+`_c10d_functional.*` collective with its payload and process group.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# fine-grained categories -> the cost model's categories (memcalc/cost/timeline.py CATEGORIES)
+COARSE = {
+    "params": "params",
+    "master_weights": "master_weights",
+    "grads": "grads",
+    "optimizer": "optimizer",
+    "activations": "activations",  # allocated in forward, not a state
+    "compute_copies": "buffers",  # low-precision copies of parameters (autocast casts)
+    "sharded_buffers": "buffers",  # FSDP2 unsharded parameters (all-gather outputs)
+    "persistent_buffers": "buffers",  # live before the measured step and not a state (DDP buckets, ...)
+    "backward_temporaries": "buffers",  # allocated in backward, not a gradient of a parameter
+    "optimizer_temporaries": "buffers",  # allocated in the optimizer step, not optimizer state
+}
+FINE = tuple(COARSE)
+
+_COLL_KIND = (
+    ("reduce_scatter", "reduce_scatter"),
+    ("all_gather", "all_gather"),
+    ("allgather", "all_gather"),
+    ("all_reduce", "all_reduce"),
+    ("allreduce", "all_reduce"),
+    ("all_to_all", "all_to_all"),
+    ("alltoall", "all_to_all"),
+    ("broadcast", "broadcast"),
+    ("recv", "recv"),
+    ("send", "send"),
+    ("barrier", "barrier"),
+)
+
+
+def _coll_kind(name: str) -> str | None:
+    for pat, kind in _COLL_KIND:
+        if pat in name:
+            return kind
+    return None
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(x)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(ts: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:  # noqa: BLE001 - tensors without storage (sparse, some subclasses)
+        return None
+
+
+class Tracker(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}  # live storage key -> bytes
+        self.uid: dict[int, int] = {}  # live storage key -> unique id (keys are reused after a free)
+        self.alloc_phase: dict[int, str] = {}  # uid -> phase at allocation
+        self.events: list[tuple[int, int]] = []  # (uid, delta bytes)
+        self.marks: list[tuple[int, str]] = []  # (event index, phase) at each phase change
+        self.phase = "init"
+        self.param_storages: set[int] = set()  # storage keys of parameters (for compute copies)
+        self.copy_uids: set[int] = set()
+        self.counting = False
+        self.collectives: list[dict[str, Any]] = []
+        self.group_labels: dict[str, str] = {}
+        self._next = 0
+        self._lock = threading.RLock()
+        self._orig_resize = None
+
+    # -- lifecycle
+    def __enter__(self) -> "Tracker":
+        orig = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st: Any, n: int) -> Any:
+            r = orig(st, n)
+            tracker._resized(st)
+            return r
+
+        self._orig_resize = orig
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        if self._orig_resize is not None:
+            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+    def set_phase(self, phase: str) -> None:
+        with self._lock:
+            self.phase = phase
+            self.marks.append((len(self.events), phase))
+
+    # -- storages
+    def _register(self, st: Any) -> None:
+        key = st._cdata
+        with self._lock:
+            if key in self.sizes:
+                return
+            n = st.nbytes()
+            self._next += 1
+            uid = self._next
+            self.sizes[key] = n
+            self.uid[key] = uid
+            self.alloc_phase[uid] = self.phase
+            self.events.append((uid, n))
+        try:
+            weakref.finalize(st, self._free, key, uid)
+        except TypeError:
+            pass
+
+    def _free(self, key: int, uid: int) -> None:
+        with self._lock:
+            if self.uid.get(key) != uid:
+                return
+            n = self.sizes.pop(key)
+            del self.uid[key]
+            self.events.append((uid, -n))
+
+    def _resized(self, st: Any) -> None:
+        key = st._cdata
+        with self._lock:
+            if key not in self.sizes:
+                self._register(st)
+                return
+            n = st.nbytes()
+            delta = n - self.sizes[key]
+            if delta:
+                self.sizes[key] = n
+                self.events.append((self.uid[key], delta))
+
+    def track(self, t: torch.Tensor) -> None:
+        try:
+            st = t.untyped_storage()
+        except Exception:  # noqa: BLE001
+            return
+        self._register(st)
+
+    def uid_of(self, t: torch.Tensor) -> int | None:
+        key = storage_key(t)
+        return None if key is None else self.uid.get(key)
+
+    def live_bytes(self) -> int:
+        return sum(self.sizes.values())
+
+    # -- dispatch
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        ns = func.namespace
+        if ns in ("c10d", "_c10d_functional") and self.counting:
+            self._count(func, args, kwargs)
+        out = func(*args, **kwargs)
+        for t in _tensors(out):
+            self.track(t)
+        if func is torch.ops.aten._to_copy.default and self.param_storages and args:
+            src = args[0]
+            if isinstance(src, torch.Tensor) and storage_key(src) in self.param_storages:
+                u = self.uid_of(out)
+                if u is not None:
+                    self.copy_uids.add(u)
+        return out
+
+    def _count(self, func: Any, args: Any, kwargs: Any) -> None:
+        name = func._opname if hasattr(func, "_opname") else str(func)
+        kind = _coll_kind(name)
+        if kind is None or kind == "barrier" or name.startswith("wait"):
+            return
+        tens = _tensors(args)
+        ns = func.namespace
+        if ns == "_c10d_functional":
+            if kind == "all_gather":
+                group_size = next(a for a in args if isinstance(a, int) and not isinstance(a, bool))
+                nbytes = _nbytes(tens) * group_size
+            else:
+                nbytes = _nbytes(tens)
+            gname = next((a for a in reversed(args) if isinstance(a, str)), "")
+        else:
+            # c10d ops: (outputs, inputs, pg, ...) for gathers/scatters, (tensors, pg, ...) otherwise
+            if kind == "all_gather":
+                first = args[0]
+                nbytes = _nbytes(_tensors(first))
+            elif kind == "reduce_scatter":
+                nbytes = _nbytes(_tensors(args[1]))
+            else:
+                nbytes = _nbytes(_tensors(args[0]))
+            gname = ""
+            for a in args:
+                if isinstance(a, torch.ScriptObject):
+                    try:
+                        gname = torch.distributed.ProcessGroup.unbox(a).group_name
+                        break
+                    except Exception:  # noqa: BLE001 - the ReduceOp, not a group
+                        continue
+                if hasattr(a, "group_name"):
+                    gname = a.group_name
+                    break
+        dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tens})
+        with self._lock:
+            self.collectives.append({"op": kind, "group": self.group_labels.get(gname, gname or "?"),
+                                     "bytes": int(nbytes), "dtype": ",".join(dtypes), "raw": name})
+
+
+def replay(tr: Tracker, categories: dict[int, str], start_mark: int) -> dict[str, Any]:
+    """Replay the event log; per phase from the `start_mark`-th mark: the peak of live bytes and the breakdown by
+    fine category at that moment. Storages not in `categories` are labelled by their phase of allocation."""
+
+    def cat_of(uid: int) -> str:
+        c = categories.get(uid)
+        if c is not None:
+            return c
+        if uid in tr.copy_uids:
+            return "compute_copies"
+        ph = tr.alloc_phase.get(uid, "init")
+        if ph.startswith("forward"):
+            return "activations"
+        if ph.startswith("backward"):
+            return "backward_temporaries"
+        if ph.startswith("optimizer"):
+            return "optimizer_temporaries"
+        return "persistent_buffers"
+
+    by_cat: dict[str, int] = defaultdict(int)
+    total = 0
+    marks = tr.marks
+    start_event = marks[start_mark][0]
+    phases: dict[str, dict[str, Any]] = {}
+    mark_i = 0
+    current = None
+    for i, (uid, delta) in enumerate(tr.events):
+        while mark_i < len(marks) and marks[mark_i][0] <= i:
+            if mark_i >= start_mark:
+                current = marks[mark_i][1]
+                ph = phases.setdefault(current, {"peak": -1, "live": {}})
+                if total > ph["peak"]:
+                    ph["peak"], ph["live"] = total, dict(by_cat)
+            mark_i += 1
+        c = cat_of(uid)
+        by_cat[c] += delta
+        total += delta
+        if i >= start_event and current is not None:
+            ph = phases[current]
+            if total > ph["peak"]:
+                ph["peak"], ph["live"] = total, dict(by_cat)
+    while mark_i < len(marks):
+        if mark_i >= start_mark:
+            current = marks[mark_i][1]
+            ph = phases.setdefault(current, {"peak": -1, "live": {}})
+            if total > ph["peak"]:
+                ph["peak"], ph["live"] = total, dict(by_cat)
+        mark_i += 1
+    for ph in phases.values():
+        ph["live"] = {k: int(ph["live"].get(k, 0)) for k in FINE}
+    return phases
+
+
+def summarize_collectives(records: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    agg: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for r in records:
+        k = (r["op"], r["group"], r["dtype"])
+        a = agg.setdefault(k, {"op": r["op"], "group": r["group"], "dtype": r["dtype"], "calls": 0, "bytes": 0})
+        a["calls"] += 1
+        a["bytes"] += r["bytes"]
+    out = []
+    for a in agg.values():
+        out.append({"op": a["op"], "group": a["group"], "dtype": a["dtype"],
+                    "calls_per_step": a["calls"] // steps, "bytes_per_step": a["bytes"] // steps})
+    return sorted(out, key=lambda x: (x["group"], x["op"], x["dtype"]))

@@ -1,0 +1,206 @@
+"""Parallel layouts with PyTorch's own APIs (the `torch` profile, DESIGN.md section 3):
+DDP (zero 0), DDP + ZeroRedundancyOptimizer (zero 1), FSDP2 `fully_shard` per block with
+`reshard_after_forward=False` (zero 2, ZeRO-2-like) or the default (zero 3), DTensor TP (ColwiseParallel /
+RowwiseParallel) with SequenceParallel for SP, FSDP2 x TP on a 2-D mesh, and `torch.distributed.pipelining`
+(GPipe / 1F1B). Rank placement follows `--order tp,cp,pp,dp` (tp innermost): the mesh is (dp, pp, tp), row-major.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from memcalc.specs import Run
+from memcalc.validate.model import GPT, inner_block
+
+
+class Unsupported(Exception):
+    """A configuration the harness cannot build (one line, exit 2)."""
+
+
+def check_supported(run: Run, world: str, device: str) -> None:
+    m, t = run.model, run.training
+    if run.profile != "torch":
+        raise Unsupported(f"--profile {run.profile} cannot be run by the harness; only --profile torch is runnable")
+    if m.moe is not None or run.ep > 1:
+        raise Unsupported("mixture-of-experts models are not built by the harness yet")
+    if run.cp > 1:
+        raise Unsupported("--cp > 1 (context parallel) is not built by the harness yet")
+    if run.vpp > 1:
+        raise Unsupported("--vpp > 1 (interleaved 1F1B) is not built by the harness yet")
+    if run.offload != "none":
+        raise Unsupported("--offload is not built by the harness")
+    if t.precision == "fp8":
+        raise Unsupported("--precision fp8 is not built by the harness; valid: fp32, bf16, fp16")
+    if t.optimizer not in ("adam", "adamw", "sgd", "sgd-momentum"):
+        raise Unsupported(f"--optimizer {t.optimizer} is not built by the harness; valid: adam, adamw, sgd, "
+                          "sgd-momentum")
+    if t.lora_rank is not None or t.freeze or t.base_dtype is not None:
+        raise Unsupported("fine-tuning (LoRA, --freeze, quantized base) is not built by the harness yet")
+    if run.dp_mode != "collective":
+        raise Unsupported(f"--dp-mode {run.dp_mode} is not built by the harness; valid: collective")
+    if run.schedule not in ("1f1b", "gpipe"):
+        raise Unsupported(f"--schedule {run.schedule} is not built by the harness; valid: 1f1b, gpipe")
+    if t.loss != "full":
+        raise Unsupported("--loss chunked is not built by the harness; valid: full")
+    if m.params_override is not None:
+        raise Unsupported("--params N without a shape cannot be built; give --model or the dimensions")
+    if run.order != ("tp", "cp", "pp", "dp"):
+        raise Unsupported("the harness places ranks in the default order tp,cp,pp,dp only")
+    if run.pp > 1:
+        if run.tp > 1:
+            raise Unsupported("--pp with --tp is not built by the harness yet")
+        if run.dp > 1 and run.zero < 2:
+            raise Unsupported("--pp with --dp > 1 needs --zero 2 or 3 (FSDP2 per stage) in the harness")
+        if world == "fake":
+            raise Unsupported("--pp needs --world real (pipelining exchanges tensor metadata the fake group "
+                              "cannot carry)")
+    if run.tp > 1 and run.dp > 1 and run.zero < 2:
+        raise Unsupported("--tp with --dp > 1 needs --zero 2 or 3 (FSDP2 x TP) in the harness")
+    if run.tp > 1 and m.tied_embeddings:
+        raise Unsupported("--tp with tied embeddings is not built by the harness")
+    if device == "meta":
+        if world != "fake":
+            raise Unsupported("--device meta needs --world fake")
+        if run.zero in (0, 1) and run.dp > 1:
+            raise Unsupported("--device meta (fake tensors) does not run DDP or ZeroRedundancyOptimizer; use "
+                              "--device cpu or --zero 2/3")
+    if run.recipe.master_weights and (run.zero == 1 or run.zero >= 2):
+        raise Unsupported("a separate fp32 master copy (low-precision grads) with --zero >= 1 is not built by the "
+                          "harness; use fp32 grads (FSDP2 MixedPrecisionPolicy) instead")
+
+
+def mesh_coords(run: Run, rank: int) -> dict[str, int]:
+    tp, pp = run.tp, run.pp
+    return {"tp": rank % tp, "pp": (rank // tp) % pp, "dp": rank // (tp * pp)}
+
+
+def make_mesh(run: Run, device_type: str) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (run.dp, run.pp, run.tp), mesh_dim_names=("dp", "pp", "tp"))
+
+
+def apply_tp(model: GPT, tp_mesh: Any, sp: bool) -> None:
+    """Megatron-style TP: q/k/v, gate/up column-parallel, o/down row-parallel, vocab-parallel embedding and head
+    (torchtitan's Llama plan). With SP the norms run on sequence shards and the block inputs are all-gathered."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    top: dict[str, Any] = {}
+    if model.embed is not None:
+        top["embed.tok"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+        if sp:
+            model.embed.seq_shard = (tp_mesh.get_local_rank(), tp_mesh.size())
+    if model.head is not None:
+        if sp:
+            top["head.norm"] = SequenceParallel()
+        top["head.out"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+    parallelize_module(model, tp_mesh, top)
+    for blk in model.layers.values():
+        b = inner_block(blk)
+        plan: dict[str, Any] = {
+            "attn.q": ColwiseParallel(),
+            "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
+            "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
+        }
+        if b.mlp.gated:
+            plan["mlp.gate"] = ColwiseParallel()
+        if sp:
+            plan["norm1"] = SequenceParallel()
+            plan["norm2"] = SequenceParallel()
+            plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        parallelize_module(b, tp_mesh, plan)
+    _replicate_rest(model, tp_mesh)
+
+
+def _replicate_rest(model: nn.Module, tp_mesh: Any) -> None:
+    """Parameters no TP style covers (norms without SP, learned positions) become replicated DTensors, so that
+    a foreach optimizer never mixes DTensors and plain tensors; norms take and return local tensors."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def inp(mod: Any, inputs: Any, mesh: Any) -> Any:
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+    def out(mod: Any, outputs: Any, mesh: Any) -> Any:
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    for mod in list(model.modules()):
+        plain = [p for p in mod.parameters(recurse=False) if not isinstance(p, DTensor)]
+        if not plain:
+            continue
+        if isinstance(mod, (nn.RMSNorm, nn.LayerNorm)):
+            distribute_module(mod, tp_mesh, input_fn=inp, output_fn=out)
+        else:  # read directly by the parent (learned positions)
+            distribute_module(mod, tp_mesh)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: Any, zero: int, mp: Any | None) -> None:
+    """FSDP2: one unit per block, then the root (embedding, final norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = zero >= 3
+    kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard}
+    if mp is not None:
+        kw["mp_policy"] = mp
+    for blk in model.layers.values():
+        fully_shard(blk, **kw)
+    # the root with FSDP2's default (None): not resharded after forward, so not gathered again in backward
+    fully_shard(model, **{**kw, "reshard_after_forward": None if reshard else False})
+
+
+def fsdp_buffer_storages(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors whose storages FSDP2 resizes to hold unsharded parameters (the ZeRO-3 working set)."""
+    out: list[torch.Tensor] = []
+    for mod in model.modules():
+        get_state = getattr(mod, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        try:
+            group = get_state()._fsdp_param_group
+        except Exception:  # noqa: BLE001
+            continue
+        if group is None:
+            continue
+        for fp in group.fsdp_params:
+            for name in ("all_gather_outputs",):
+                for t in getattr(fp, name, None) or []:
+                    out.append(t)
+            up = getattr(fp, "_unsharded_param", None)
+            if up is not None:
+                out.append(up)
+    return out
+
+
+def split_stage(model: GPT, stage: int, pp: int, run: Run) -> GPT:
+    """Keep the layers of `stage` (the remainder of L/pp on the first stages, memcalc/cost/params.py), the
+    embedding on the first stage and the final norm + head on the last; a tied head gets its own copy."""
+    from memcalc.cost.params import stage_layers
+
+    L = run.model.layers
+    counts = [int(stage_layers(run.model, pp, s)) for s in range(pp)]
+    start = sum(counts[:stage])
+    keep = {str(i) for i in range(start, start + counts[stage])}
+    for name in [n for n in model.layers.keys() if n not in keep]:
+        del model.layers[name]
+    assert len(model.layers) == counts[stage] and L == sum(counts)
+    if stage != 0:
+        if model.head is not None and run.model.tied_embeddings:
+            model.head.out.weight = nn.Parameter(model.head.out.weight.detach().clone())
+        model.embed = None
+    if stage != pp - 1:
+        model.head = None
+    return model

@@ -1,0 +1,344 @@
+"""`memcalc plan`: every configuration it returns is valid and reproduces through `estimate` to the byte; the bulk
+(numpy) evaluation equals the scalar one; bounds, counts, ranking, Pareto front and advice behave as documented
+(docs/plan.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+
+import numpy as np
+import pytest
+
+from memcalc.cost.estimate import peak_bytes
+from memcalc.options import RunOptions, build_run
+from memcalc.plan.search import (Request, bulk_peak, command_for, config_options, pareto, plan, ranked, search,
+                                 times, _group_run)
+from memcalc.plan.space import RULES, parse_bounds
+from tests.conftest import cli, cli_json
+
+# Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters using Megatron-LM"),
+# Table 1: GPT-3 175B (96 layers, hidden 12288, 96 heads) trained on 1024 A100-80GB with t = 8, p = 8, global
+# batch 1536, seq 2048; Korthikanti et al. 2022 (Table 3 / sec. 5) run the same 175B shape at t = 8, p = 8 with
+# sequence parallelism and selective recompute.
+GPT3 = RunOptions(model="gpt3-175b", gpus=1024, gpu="a100-80gb", global_batch=1536, seq=2048, profile="megatron")
+
+
+def _args(command: str) -> list[str]:
+    words = shlex.split(command)
+    assert words[:2] == ["memcalc", "estimate"]
+    return words[1:]
+
+
+@pytest.fixture(scope="module")
+def gpt3():
+    req = Request(dataclasses.replace(GPT3), top=3)
+    return search(req), plan(req)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A 13B model on 16 H100s, uneven pipelines included (pp = 16 over 40 layers: 3 layers on the first 8 stages,
+    2 on the rest)."""
+    o = RunOptions(model="llama-2-13b", gpus=16, gpu="h100-sxm-80gb", global_batch=64, seq=4096, profile="torch")
+    req = Request(o, top=4)
+    return search(req), plan(req)
+
+
+def test_counts_add_up(gpt3, small):
+    for res, out in (gpt3, small):
+        s = out["search"]
+        assert set(s["rejected"]) == set(RULES)
+        assert s["considered"] == sum(s["rejected"].values()) + s["feasible"]
+        memory_rules = ("out_of_memory", "below_min_headroom")
+        assert s["evaluated"] >= sum(s["rejected"][k] for k in memory_rules) + s["feasible"]
+        assert s["feasible"] == res.feasible.size > 0
+        assert s["evaluated"] < s["considered"]
+
+
+def test_top_plans_reproduce_through_estimate(small):
+    """Each plan's command, run through `memcalc estimate --json`, gives the plan's memory, communication and
+    compute blocks, and the bulk search's peak to the byte."""
+    res, out = small
+    assert len(out["plans"]) == 4
+    for p in out["plans"]:
+        est = cli_json(*_args(p["command"]))
+        assert est["memory"] == p["memory"]
+        assert est["communication"] == p["communication"]
+        assert est["compute"] == p["compute"]
+        assert est["memory"]["peak_bytes"] == p["search"]["peak_bytes"]
+        assert est["memory"]["fits"]
+        assert est["compute"]["step_seconds"] == pytest.approx(p["search"]["step_seconds"], rel=1e-12)
+        assert est["compute"]["tokens_per_second"] == pytest.approx(p["search"]["tokens_per_second"], rel=1e-12)
+        assert est["compute"]["mfu"] == pytest.approx(p["search"]["mfu"], rel=1e-12)
+        lay = p["layout"]
+        par = est["inputs"]["parallel"]
+        for k in ("gpus", "dp", "tp", "pp", "vpp", "cp", "sp", "zero", "offload", "schedule"):
+            assert par[k] == lay[k], k
+        assert est["inputs"]["training"]["micro_batch"] == lay["micro_batch"]
+        assert est["inputs"]["training"]["grad_accum"] == lay["grad_accum"]
+
+
+def test_every_feasible_configuration_is_valid_and_fits(small):
+    """A random sample of everything the search found feasible: `build_run` accepts it (resolve's rules) and
+    `estimate`'s peak, which walks every pipeline stage, equals the bulk peak (stage 0 and pp-1 only) and fits."""
+    res, _ = small
+    rng = np.random.default_rng(0)
+    f = res.feasible
+    pick = rng.choice(f.size, size=min(60, f.size), replace=False)
+    # and every pipeline depth present, so that uneven placements are checked stage by stage
+    for pp in np.unique(res.space.pp[f.pair]):
+        pick = np.r_[pick, np.flatnonzero(res.space.pp[f.pair] == pp)[:2]]
+    assert (res.space.pp[f.pair[pick]] == 16).any()
+    for i in pick:
+        run = build_run(config_options(res, int(f.pair[i]), int(f.combo[i])))
+        assert peak_bytes(run) == int(f.peak[i]) <= run.hardware.memory_bytes
+
+
+def test_bulk_equals_scalar_on_random_configurations(small):
+    """Bulk vs scalar on valid configurations drawn at random from the whole space, fitting or not: the same peak
+    to the byte (the scalar path checks every stage) and the same step time, tokens/s and MFU."""
+    res, _ = small
+    s = res.space
+    rng = np.random.default_rng(1)
+    checked = 0
+    for ci in rng.choice(len(s.combos), size=12, replace=False):
+        combo = s.combos[ci]
+        ok = (s.tp > 1) if combo.sp else np.ones(s.pairs, dtype=bool)
+        for inter in (False, True):
+            cand = np.flatnonzero(ok & ((s.vpp > 1) == inter))
+            if cand.size == 0:
+                continue
+            idx = np.sort(rng.choice(cand, size=min(8, cand.size), replace=False))
+            training = res.base.training.model_copy(update={"recompute": combo.recompute})
+            run = _group_run(res.base, s, idx, combo, training, "interleaved" if inter else "1f1b", 1)
+            peak = bulk_peak(run, idx.size)
+            step, tps, mfu = (np.broadcast_to(x, idx.shape) for x in times(run))
+            for j, pair in enumerate(idx):
+                one = build_run(config_options(res, int(pair), int(ci)))
+                assert peak_bytes(one) == int(peak[j])
+                st, tk, mf = times(one)
+                assert st == pytest.approx(float(step[j]), rel=1e-12)
+                assert tk == pytest.approx(float(tps[j]), rel=1e-12)
+                assert mf == pytest.approx(float(mfu[j]), rel=1e-12)
+                checked += 1
+    assert checked >= 50
+
+
+def test_first_and_last_stage_cover_the_worst(gpt3):
+    """The search evaluates stages 0 and pp-1 only; `estimate` walks every stage. Deep and uneven pipelines of
+    GPT-3 (pp = 64 over 96 layers puts 2 layers on the first 32 stages, 1 on the rest)."""
+    res, _ = gpt3
+    f, s = res.feasible, res.space
+    rng = np.random.default_rng(2)
+    for pp in (3, 6, 12, 64):
+        rows = np.flatnonzero(s.pp[f.pair] == pp)
+        if pp in (3, 6, 12):
+            assert rows.size == 0  # 1024 GPUs: pp is a power of two
+            continue
+        assert rows.size > 0
+        for i in rng.choice(rows, size=min(4, rows.size), replace=False):
+            run = build_run(config_options(res, int(f.pair[i]), int(f.combo[i])))
+            assert peak_bytes(run) == int(f.peak[i])
+    for pp in (8, 16, 32):
+        rows = np.flatnonzero(s.pp[f.pair] == pp)
+        for i in rng.choice(rows, size=min(3, rows.size), replace=False):
+            run = build_run(config_options(res, int(f.pair[i]), int(f.combo[i])))
+            assert peak_bytes(run) == int(f.peak[i])
+
+
+def test_gpt3_175b_megatron_layout_is_feasible(gpt3):
+    """Narayanan 2021 Table 1 / Korthikanti 2022: t8 p8 with SP and selective recompute, micro-batch 1, plain
+    Adam without the distributed optimizer (ZeRO-0), fits on A100-80GB."""
+    res, _ = gpt3
+    f, s = res.feasible, res.space
+    combos = s.combos
+    hit = [
+        i for i in range(f.size)
+        if s.tp[f.pair[i]] == 8 and s.pp[f.pair[i]] == 8 and s.micro_batch[f.pair[i]] == 1
+        and combos[f.combo[i]].sp and combos[f.combo[i]].recompute == "selective"
+        and combos[f.combo[i]].zero == 0 and combos[f.combo[i]].offload == "none"
+    ]
+    assert hit, "GPT-3 175B t8 p8 SP + selective recompute should fit on 80 GB A100s"
+    run = build_run(config_options(res, int(f.pair[hit[0]]), int(f.combo[hit[0]])))
+    assert run.dp == 16 and run.grad_accum == 96 and run.sp
+    assert peak_bytes(run) <= run.hardware.memory_bytes
+
+
+def test_bounds_are_honoured():
+    o = RunOptions(model="llama-2-7b", gpus=16, gpu="h100-sxm-80gb", global_batch=64, seq=4096)
+    b = parse_bounds(tp="2,4", pp="1,2", vpp="1", cp="1", micro_batch="1,2", zero="1,2", recompute="selective",
+                     sp="on", offload="none")
+    res = search(Request(o, bounds=b))
+    # hand count: (tp, pp) in {2,4} x {1,2}, all dividing 16; vpp 1; mb 1,2; zero 1,2; one recompute, sp, offload
+    assert res.considered == 4 * 2 * 2
+    assert res.considered == sum(res.rejected.values()) + res.feasible.size
+    f, s = res.feasible, res.space
+    assert f.size > 0
+    assert set(s.tp[f.pair]) <= {2, 4} and set(s.pp[f.pair]) <= {1, 2}
+    assert set(s.vpp[f.pair]) == {1} and set(s.cp[f.pair]) == {1} and set(s.micro_batch[f.pair]) <= {1, 2}
+    for ci in set(f.combo.tolist()):
+        c = s.combos[ci]
+        assert c.zero in (1, 2) and c.recompute == "selective" and c.sp and c.offload == "none"
+
+
+def test_rules_count_what_they_reject():
+    """tp 3 does not divide Llama-2-7B's 32 heads; tp 16 exceeds a node only when auto; cp 3 does not divide 4096;
+    SP is impossible at tp 1; offload params needs ZeRO-3; 144 is not a multiple of mb*dp = 12*72."""
+    o = RunOptions(model="llama-2-7b", gpus=72, gpu="h100-sxm-80gb", global_batch=144, seq=4096)
+    b = parse_bounds(tp="1,3", pp="1", vpp="1", cp="1,3", micro_batch="1,12", zero="2,3", recompute="full",
+                     sp="auto", offload="none,params")
+    res = search(Request(o, bounds=b))
+    r = res.rejected
+    n_cat = 2 * 1 * 2 * 2  # zero x recompute x sp x offload
+    # layouts: (tp, cp) in {1,3}^2 all divide 72 -> tp3: 2 layouts x 2 mb x n_cat
+    assert r["tp_heads"] == 2 * 2 * n_cat
+    assert r["cp_seq"] == 1 * 2 * n_cat  # tp1 cp3
+    # the one valid layout tp1 cp1 dp72: mb 12 -> 864 does not divide 144
+    assert r["global_batch"] == 1 * n_cat
+    assert r["offload_zero"] == 1 * 2  # mb 1: zero 2 with offload params, sp off/on
+    assert r["sp_tp"] == 1 * 3  # tp 1, sp on: (z2, none), (z3, none), (z3, params)
+    assert res.considered == 4 * 2 * n_cat
+
+
+def test_min_headroom(small):
+    o = dataclasses.replace(small[0].request.options)
+    out = plan(Request(o, min_headroom=0.25, top=3))
+    cap = out["search"]["capacity_bytes"]
+    assert out["search"]["rejected"]["below_min_headroom"] > 0
+    assert out["search"]["feasible"] < small[1]["search"]["feasible"]
+    for p in out["plans"] + out["pareto"]:
+        assert p["search"]["headroom_bytes"] >= 0.25 * cap
+
+
+def test_objectives_and_pareto(small):
+    res, out = small
+    f = res.feasible
+    best = out["plans"][0]["search"]
+    assert best["tokens_per_second"] == pytest.approx(float(f.tps.max()))
+    tps = [p["search"]["tokens_per_second"] for p in out["plans"]]
+    assert tps == sorted(tps, reverse=True)
+    mem = plan(Request(dataclasses.replace(res.request.options), objective="memory", top=2))
+    assert mem["plans"][0]["search"]["peak_bytes"] == int(f.peak.min())
+    # Pareto: lower peak, higher throughput, nothing in the feasible set dominates a front point
+    front = out["pareto"]
+    peaks = [p["search"]["peak_bytes"] for p in front]
+    speeds = [p["search"]["tokens_per_second"] for p in front]
+    assert peaks == sorted(peaks) and speeds == sorted(speeds) and len(set(speeds)) == len(speeds)
+    for p, v in zip(peaks, speeds):
+        assert not ((f.peak <= p) & (f.tps > v)).any()
+    assert pareto(res).size == len(front)
+    assert ranked(res).size == f.size
+
+
+def test_objective_gpus_finds_fewest():
+    o = RunOptions(model="llama-2-7b", gpus=16, gpu="h100-sxm-80gb", global_batch=64, seq=4096)
+    b = parse_bounds(pp="1", vpp="1", cp="1", offload="none")
+    out = plan(Request(o, bounds=b, objective="gpus", top=3))
+    fewest = out["plans"][0]["layout"]["gpus"]
+    assert fewest < 16
+    res = search(Request(o, bounds=b, objective="gpus"))
+    assert fewest == int(res.space.gpus[res.feasible.pair].min())
+    est = cli_json(*_args(out["plans"][0]["command"]))
+    assert est["memory"]["fits"] and est["inputs"]["parallel"]["gpus"] == fewest
+
+
+def test_nothing_fits_gives_advice_that_fits():
+    """Llama-2-7B with ZeRO-1, no TP/PP/CP, no recompute on 8 H100s: torch keeps fp32 params and grads
+    (2 x 4 x 6.74e9 = 54 GB) plus activations of a 4096-token sequence: over 80 GB. The advice's commands are
+    re-run through `estimate`."""
+    o = RunOptions(model="llama-2-7b", gpus=8, gpu="h100-sxm-80gb", global_batch=64, seq=4096)
+    b = parse_bounds(tp="1", pp="1", cp="1", zero="1", offload="none", recompute="none")
+    out = plan(Request(o, bounds=b))
+    assert out["search"]["feasible"] == 0 and out["plans"] == [] and out["pareto"] == []
+    closest = [a for a in out["advice"] if a["kind"] == "closest"]
+    assert closest and closest[0]["shortfall_bytes"] > 0
+    assert cli_json(*_args(closest[0]["command"]))["memory"]["peak_bytes"] == closest[0]["peak_bytes"]
+    fixes = [c for c in closest[0]["changes"] if c["fits_after"]]
+    assert fixes
+    for c in fixes:
+        est = cli_json(*_args(c["command"]))
+        assert est["memory"]["fits"] and est["memory"]["peak_bytes"] == c["peak_bytes_after"]
+    for c in closest[0]["changes"]:
+        assert c["saves_bytes"] == closest[0]["peak_bytes"] - c["peak_bytes_after"] > 0
+
+
+def test_nothing_fits_suggests_more_gpus():
+    """ZeRO-3 shards everything over dp: Llama-2-13B's 16 bytes/param (torch AMP) need more than 2 x 80 GB."""
+    o = RunOptions(model="llama-2-13b", gpus=2, gpu="h100-sxm-80gb", global_batch=64, seq=4096)
+    b = parse_bounds(tp="1", pp="1", cp="1", zero="3", offload="none", recompute="full")
+    out = plan(Request(o, bounds=b))
+    more = [a for a in out["advice"] if a["kind"] == "more_gpus"]
+    assert out["search"]["feasible"] == 0 and more
+    est = cli_json(*_args(more[0]["command"]))
+    assert est["memory"]["fits"] and est["inputs"]["parallel"]["gpus"] == more[0]["gpus"] > 2
+    assert est["memory"]["peak_bytes"] == more[0]["search"]["peak_bytes"]
+
+
+def test_command_round_trips_options():
+    o = RunOptions(model="llama-2-7b", gpus=8, gpu="h100-sxm-80gb", global_batch=64, seq=2048, tp=2, sp=False,
+                   zero=3, offload="params", recompute="full", micro_batch=2, fragmentation=0.1, profile="deepspeed")
+    est = cli_json(*_args(command_for(o)))
+    assert est["memory"]["peak_bytes"] == peak_bytes(build_run(dataclasses.replace(o)))
+    assert "--no-sp" in command_for(o)
+
+
+# --- the CLI -------------------------------------------------------------------------------------------------------
+
+
+def test_cli_json_contract():
+    code, out, err = cli("plan", "--model", "llama-2-7b", "--gpus", "8", "--gpu", "h100-sxm-80gb",
+                         "--global-batch", "32", "--seq", "2048", "--pp", "1,2", "--top", "2", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["schema_version"] == "1.0" and data["kind"] == "plan"
+    assert set(data) == {"schema_version", "kind", "inputs", "search", "plans", "pareto", "advice"}
+    assert set(data["search"]) >= {"considered", "rejected", "evaluated", "feasible", "wall_seconds"}
+    assert data["inputs"]["bounds"]["pp"] == [1, 2] and data["inputs"]["bounds"]["tp"] == "auto"
+    assert len(data["plans"]) == 2 and [p["rank"] for p in data["plans"]] == [1, 2]
+    for p in data["plans"]:
+        assert set(p) >= {"command", "layout", "search", "memory", "communication", "compute"}
+        assert p["layout"]["pp"] in (1, 2)
+
+
+def test_cli_table():
+    code, out, err = cli("plan", "--model", "llama-2-7b", "--gpus", "8", "--gpu", "h100-sxm-80gb",
+                         "--global-batch", "32", "--seq", "2048", "--top", "3")
+    assert code == 0, err
+    assert "Top 3 by throughput" in out and "memcalc estimate --model llama-2-7b" in out and "Pareto" in out
+    code, out, err = cli("plan", "--model", "llama-2-7b", "--gpus", "8", "--gpu", "h100-sxm-80gb",
+                         "--global-batch", "64", "--seq", "4096", "--tp", "1", "--pp", "1", "--cp", "1", "--zero",
+                         "1", "--offload", "none", "--recompute", "none")
+    assert code == 0, err
+    assert "Nothing fits" in out and "Closest" in out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tp", "0"], "--tp"),
+    (["--tp", "two"], "--tp"),
+    (["--pp", "1,,2"], "--pp"),
+    (["--zero", "4"], "--zero"),
+    (["--recompute", "some"], "--recompute"),
+    (["--sp", "maybe"], "--sp"),
+    (["--offload", "disk"], "--offload"),
+    (["--objective", "speed"], "--objective"),
+    (["--min-headroom", "1.5"], "--min-headroom"),
+    (["--top", "0"], "--top"),
+    (["--tp", "5", "--pp", "1"], "no configuration"),
+    (["--units", "MB"], "--units"),
+])
+def test_cli_bad_bounds(args, needle):
+    base = ["plan", "--model", "llama-2-7b", "--gpus", "8", "--global-batch", "32", "--seq", "2048"]
+    code, out, err = cli(*base, *args)
+    assert code == 2, (out, err)
+    assert err.count("\n") == 1 and err.startswith("memcalc: error:") and needle in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("missing, needle", [("--gpus", "--gpus"), ("--global-batch", "--global-batch")])
+def test_cli_requires_cluster_and_batch(missing, needle):
+    args = {"--model": "llama-2-7b", "--gpus": "8", "--global-batch": "32"}
+    del args[missing]
+    code, _, err = cli("plan", *[x for kv in args.items() for x in kv])
+    assert code == 2 and needle in err and err.count("\n") == 1

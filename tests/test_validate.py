@@ -1,0 +1,208 @@
+"""`memcalc validate`: the harness on tiny models (h=64, 2 layers, seq 32), every layout at least once.
+
+Needs torch (the validate extra); skipped without it. Ranks run as forkserver children with a deadline each.
+Assertions are on what must hold whatever the activation model says: the measurement itself (model states
+against a closed form, collective bytes against theory), the report's shape, and the CLI contract. How close the
+prediction is lives in docs/validation.md (scripts/validation_matrix.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import cli, run_of
+
+TINY = dict(layers=2, hidden=64, heads=4, ffn=128, vocab=256, seq=32)
+
+
+def _tiny_params() -> int:
+    # per layer: q,k,v,o 4*64*64 + swiglu 3*64*128 + 2 norms 2*64 = 16384 + 24576 + 128 = 41088
+    # embedding 256*64 + final norm 64 + head 256*64 = 32832
+    return 2 * 41088 + 32832
+
+
+def test_cli_help_does_not_import_torch():
+    code = ("import sys; from memcalc.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    code2 = ("import sys; import memcalc.validate.cli, memcalc.cost.estimate\n"
+             "assert 'torch' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_validate_help_lists_flags():
+    code, out, _ = cli("validate", "--help")
+    assert code == 0
+    for flag in ("--device", "--steps", "--rank", "--world", "--tolerance", "--json", "--tp", "--zero"):
+        assert flag in out
+
+
+def test_other_profiles_refused():
+    code, out, err = cli("validate", *_flags(TINY), "--profile", "megatron")
+    assert code == 2
+    assert "only --profile torch" in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_torch_message(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def fake_import(name, *a, **k):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("no torch")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    code, out, err = cli("validate", *_flags(TINY), "--device", "cpu")
+    assert code == 2
+    assert "pip install 'memcalc[validate]'" in err and "torch==2.13.0" in err
+
+
+def _flags(d: dict) -> list[str]:
+    out = []
+    for k, v in d.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+torch = pytest.importorskip("torch")
+
+from memcalc.validate.api import validate  # noqa: E402
+from memcalc.validate.parallelize import Unsupported  # noqa: E402
+
+
+def _v(world="real", device="cpu", **kw):
+    run = run_of(**{**TINY, **kw})
+    return run, validate(run, device=device, world=world, tolerance=0.03, timeout=120)
+
+
+def _coll(rep, op, group):
+    rows = [c for c in rep["collectives"] if c["op"] == op and c["group"] == group]
+    return rows[0] if rows else None
+
+
+def test_ddp_fp32_states_buckets_and_allreduce():
+    P = _tiny_params()
+    run, rep = _v(precision="fp32", gpus=2)
+    m = rep["measured"]
+    assert m["model_states"]["params"] == 4 * P
+    assert m["model_states"]["grads"] == 4 * P
+    # AdamW: exp_avg + exp_avg_sq (8P) plus one fp32 `step` scalar per parameter tensor (2*9 + 3 = 21)
+    assert m["model_states"]["optimizer"] == 8 * P + 4 * 21
+    # the DDP buckets: a persistent flat fp32 copy of the grads (rebuilt at step 2, live in every phase)
+    assert m["phases"]["forward"]["detail"]["persistent_buffers"] >= 4 * P
+    ar = _coll(rep, "all-reduce", "dp")
+    assert ar["measured_bytes"] == 4 * P and ar["measured_calls"] == 1
+    assert rep["kind"] == "validate" and rep["schema_version"]
+    assert rep["error"] is not None and rep["within_tolerance"] == (abs(rep["error"]) <= 0.03)
+    json.dumps(rep)
+
+
+def test_zero1_all_reduce_and_broadcast():
+    P = _tiny_params()
+    _, rep = _v(precision="fp32", gpus=2, zero=1)
+    assert _coll(rep, "all-reduce", "dp")["measured_bytes"] == 4 * P
+    assert _coll(rep, "broadcast", "dp")["measured_bytes"] == 4 * P
+    # ZeroRedundancyOptimizer partitions whole tensors: rank 0 holds a share, not exactly half
+    assert 0 < rep["measured"]["model_states"]["optimizer"] < 8 * P
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp2_shards_and_collectives(zero):
+    P = _tiny_params()
+    _, rep = _v(precision="bf16", gpus=2, zero=zero)
+    m = rep["measured"]
+    assert m["model_states"]["params"] == 4 * P // 2  # every dim 0 here divides by 2: no padding
+    assert m["model_states"]["grads"] == 4 * P // 2
+    ag = _coll(rep, "all-gather", "dp")
+    rs = _coll(rep, "reduce-scatter", "dp")
+    assert "bfloat16" in ag["measured_dtypes"] and "float32" in rs["measured_dtypes"]
+    assert rs["measured_bytes"] == 4 * P
+    if zero == 2:
+        assert ag["measured_bytes"] == 2 * P  # gathered once, kept to the post-backward
+    else:  # gathered in forward and again in backward, except the root (not resharded after forward)
+        assert 2 * P < ag["measured_bytes"] < 2 * 2 * P
+    assert m["phases"]["forward"]["detail"]["sharded_buffers"] > 0
+
+
+def test_tp_sp_shards():
+    _, rep = _v(precision="fp32", gpus=2, tp=2, sp=True)
+    m = rep["measured"]
+    # q,k,v,o, gate/up/down, embedding and head split by 2; norms replicated
+    per_layer = (4 * 64 * 64 + 3 * 64 * 128) // 2 + 2 * 64
+    assert m["model_states"]["params"] == 4 * (2 * per_layer + 2 * 256 * 64 // 2 + 64)
+    groups = {c["group"] for c in rep["collectives"] if c["measured_calls"]}
+    assert groups == {"tp"}
+    assert _coll(rep, "reduce-scatter", "tp")["measured_calls"] > 0
+
+
+def test_tp_without_sp_runs():
+    _, rep = _v(precision="fp32", gpus=2, tp=2)
+    assert _coll(rep, "all-reduce", "tp")["measured_calls"] > 0
+
+
+def test_fsdp_x_tp():
+    _, rep = _v(precision="fp32", gpus=4, tp=2, zero=3, sp=True)
+    groups = {c["group"] for c in rep["collectives"] if c["measured_calls"]}
+    assert groups == {"dp", "tp"}
+
+
+def test_pipeline_1f1b_send_recv():
+    run, rep = _v(precision="fp32", gpus=2, pp=2, grad_accum=4)
+    # stage 0 sends each micro-batch's activations (b*s*h fp32) and receives their gradients
+    sr = _coll(rep, "send/recv", "pp")
+    assert sr["measured_bytes"] == 2 * 4 * (1 * 32 * 64 * 4)
+    assert rep["measured"]["peak_phase"] in ("forward-backward", "optimizer")
+
+
+def test_recompute_and_amp_run():
+    _, full = _v(precision="fp32", recompute="full")
+    _, none = _v(precision="fp32")
+    fa = full["measured"]["phases"]["forward"]["detail"]["activations"]
+    na = none["measured"]["phases"]["forward"]["detail"]["activations"]
+    assert fa < na
+    _, amp = _v(precision="bf16")
+    assert amp["measured"]["phases"]["forward"]["detail"]["compute_copies"] > 0
+
+
+def test_fake_world_one_rank_of_1024_on_meta():
+    _, rep = _v(world="fake", device="meta", precision="bf16", gpus=1024, zero=3)
+    m = rep["measured"]
+    assert m["world"] == "fake" and m["world_size"] == 1024
+    # one row of every parameter (each dim 0 is below 1024): FSDP2 pads per parameter
+    assert m["model_states"]["params"] > 0
+    assert {c["group"] for c in rep["collectives"]} == {"dp"}
+
+
+def test_fake_world_ddp_cpu():
+    P = _tiny_params()
+    _, rep = _v(world="fake", precision="fp32", gpus=16)
+    assert _coll(rep, "all-reduce", "dp")["measured_bytes"] == 4 * P
+
+
+def test_unsupported_is_one_line_exit_2():
+    code, out, err = cli("validate", *_flags(TINY), "--device", "cpu", "--cp", "2")
+    assert code == 2 and "context parallel" in err
+    with pytest.raises(Unsupported):
+        _v(precision="fp32", gpus=2, offload="optimizer", zero=1)
+
+
+def test_cli_json_and_exit_status():
+    code, out, err = cli("validate", *_flags(TINY), "--precision", "fp32", "--device", "cpu", "--json")
+    rep = json.loads(out)
+    assert set(rep) >= {"schema_version", "kind", "inputs", "predicted", "measured", "error", "within_tolerance"}
+    assert code == (0 if rep["within_tolerance"] else 1)
+    code2, out2, _ = cli("validate", *_flags(TINY), "--precision", "fp32", "--device", "cpu", "--tolerance", "0.9")
+    assert code2 == 0 and "total peak error" in out2
