@@ -27,8 +27,10 @@ def test_higher_zero_stage_never_raises_per_gpu_bytes(model, profile, precision,
         mem = estimate(r, advice=False).memory
         peak = max(ph.allocated_bytes - ph.live["buffers"] for ph in mem.phases)
         if prev_states is not None:
-            assert states <= prev_states
-            assert peak <= prev_peak, (z, peak, prev_peak)
+            # FSDP2 (torch ZeRO-2/3) pads every tensor's dim 0 to the shard group while ZeRO-1 pads one flat
+            # partition, so its shards can be a few KB larger: allow 1e-4 of the figure for that padding only.
+            assert states <= prev_states * (1 + 1e-4), (z, states, prev_states)
+            assert peak <= prev_peak * (1 + 1e-4), (z, peak, prev_peak)
         prev_states, prev_peak = states, peak
 
 

@@ -143,7 +143,7 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
     """Per-GPU model-state bytes of one rank of pipeline stage `stage`."""
     from memcalc.cost.params import stage_param_split
 
-    r = run.recipe
+    r, m = run.recipe, run.model
     split = stage_param_split(run, stage)
     dense, expert = split.trainable_dense, split.trainable_expert
     n = dense + expert
@@ -153,10 +153,19 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
     def shard(x_dense: Num, x_expert: Num) -> Num:
         return cdiv(x_dense, d) + cdiv(x_expert, de)
 
+    def param_shard(x_dense: Num, x_expert: Num) -> Num:
+        """ZeRO-2/3 shard of the parameters and grads. torch (FSDP2) shards tensor by tensor, padding dim 0
+        (params.fsdp_shard_elems); a flat buffer (DeepSpeed, Megatron) pads once."""
+        if run.profile == "torch" and split.frozen == 0 and run.ep == 1 and m.moe is None:
+            from memcalc.cost.params import fsdp_shard_elems
+
+            return fsdp_shard_elems(run, stage, d)
+        return shard(x_dense, x_expert)
+
     z = run.zero
     pb, gb = DTYPE_BYTES[r.param_dtype], DTYPE_BYTES[r.grad_dtype]
 
-    params = pb * (shard(dense, expert) if z >= 3 else n)
+    params = pb * (param_shard(dense, expert) if z >= 3 else n)
     frozen = frozen_bytes(run, split.frozen_linear, split.frozen_linear_rows, split.frozen_linear_matrices,
                           split.frozen_other)
     # frozen weights have nothing for ZeRO-1/2 to shard; ZeRO-3 / FSDP2 shards them like any parameter
@@ -169,8 +178,16 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
     if run.profile == "deepspeed" and z >= 3 and r.fp32_grad_copy:
         grads = 0 * n  # reduced straight into the fp32 partition (stage3.py)
     else:
-        grads = gb * (shard(dense, expert) if z >= 2 else n)
-    opt_elems = shard(dense, expert) if z >= 1 else n
+        grads = gb * (param_shard(dense, expert) if z >= 2 else n)
+    # FSDP2 keeps the optimizer state on its per-tensor shards; ZeRO-1 and flat-buffer frameworks pad once
+    if run.profile == "torch" and z < 2 and split.frozen == 0:
+        # DTensor RowwiseParallel on nn.Embedding (torchtitan's plan): the weight is vocab-sharded but its gradient
+        # comes back replicated at full V x h on every TP rank (validation-findings.md, measured to the byte).
+        from memcalc.cost.params import embedding_params
+
+        full_emb = embedding_params(m, run.profile, 1)
+        grads = grads + gb * where(stage == 0, full_emb - embedding_params(m, run.profile, run.tp), 0)
+    opt_elems = (param_shard(dense, expert) if z >= 2 else shard(dense, expert)) if z >= 1 else n
     master = 4 * opt_elems if r.master_weights else 0 * n
     grads_fp32 = 4 * opt_elems if r.fp32_grad_copy else 0 * n
     optimizer = optimizer_state_bytes(run, opt_elems, stage)

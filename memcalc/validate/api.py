@@ -27,7 +27,9 @@ def validate(run: Run, *, device: str = "auto", world: str = "real", steps: int 
 
     device = resolve_device(device)
     check_supported(run, world, device)
-    if world == "real" and device == "cuda":
+    from memcalc.validate.runner import launched_by_torchrun as _under_torchrun
+
+    if world == "real" and device == "cuda" and not _under_torchrun():
         import torch
 
         if torch.cuda.device_count() < int(run.gpus):
@@ -42,8 +44,16 @@ def validate(run: Run, *, device: str = "auto", world: str = "real", steps: int 
     est = estimate(run, stage=stage, advice=False)
     warmup = max(warmup, 2)  # DDP rebuilds its buckets at the second step
     t0 = time.perf_counter()
-    results = run_world(run, world=world, device=device, steps=steps, warmup=warmup, ranks=[rank],
-                        timeout=timeout)
+    from memcalc.validate.runner import launched_by_torchrun, run_torchrun_rank
+
+    if world == "real" and launched_by_torchrun():
+        # torchrun on the user's own cluster: this process is one rank; every rank measures, all gather
+        this_rank, results = run_torchrun_rank(run, device=device, steps=steps, warmup=warmup)
+        torchrun_rank: int | None = this_rank
+    else:
+        results = run_world(run, world=world, device=device, steps=steps, warmup=warmup, ranks=[rank],
+                            timeout=timeout)
+        torchrun_rank = None
     wall = time.perf_counter() - t0
     meas = results[rank]
     extra = {
@@ -53,6 +63,8 @@ def validate(run: Run, *, device: str = "auto", world: str = "real", steps: int 
         "world": world,
         "seconds": round(wall, 2),
         "all_ranks_peak_bytes": {str(r): v["peak_bytes"] for r, v in sorted(results.items())},
+        "launcher": "torchrun" if torchrun_rank is not None else "memcalc",
+        "this_process_rank": torchrun_rank,
     }
     from memcalc.cost.estimate import resolved_inputs
 

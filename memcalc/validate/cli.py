@@ -126,12 +126,24 @@ def register(app: typer.Typer) -> None:
         except RankFailure as e:
             first = str(e).strip().splitlines()[0]
             raise InputError(f"the run failed: {first}") from None
-        if json_out:
+        # under torchrun every process holds the gathered report: only global rank 0 prints it
+        quiet = _this_process_rank(report) not in (None, 0)
+        if quiet:
+            pass
+        elif json_out:
             sys.stdout.write(json.dumps(report, indent=2, default=_json_default) + "\n")
         else:
             sys.stdout.write(render(report) + "\n")
         if not report["within_tolerance"]:
             raise typer.Exit(1)
+
+
+def _this_process_rank(report: dict[str, Any]) -> int | None:
+    for key in ("extra", "run"):
+        block = report.get(key)
+        if isinstance(block, dict) and "this_process_rank" in block:
+            return block["this_process_rank"]
+    return report.get("this_process_rank")
 
 
 def _json_default(o: Any) -> Any:

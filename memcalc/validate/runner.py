@@ -131,3 +131,34 @@ def run_world(run: Run, *, world: str, device: str, steps: int, warmup: int, ran
         if error:
             raise RankFailure(error)
     return results
+
+
+def launched_by_torchrun() -> bool:
+    """True when this process is one rank of a torchrun / torch.distributed.run launch (RANK, WORLD_SIZE,
+    LOCAL_RANK and MASTER_ADDR are set by the launcher)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def run_torchrun_rank(run: Run, *, device: str, steps: int, warmup: int) -> tuple[int, dict[int, dict[str, Any]]]:
+    """Run this process's rank of a torchrun launch (NCCL on GPUs, gloo on CPU) and gather every rank's
+    measurement on every rank. Returns (this rank, {rank: measurement})."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != int(run.gpus):
+        from memcalc.errors import InputError
+
+        raise InputError(f"torchrun started {world} ranks but the layout has --gpus {run.gpus}; make them agree")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    from memcalc.validate.harness import run_rank
+
+    try:
+        mine = run_rank(run, rank, world, device, steps, warmup, False)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+    finally:
+        dist.destroy_process_group()
+    return rank, {r: m for r, m in enumerate(gathered)}
