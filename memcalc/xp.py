@@ -56,3 +56,14 @@ def as_int(x: Num) -> Num:
     import numpy as np
 
     return np.rint(x).astype(np.int64)
+
+
+def muldiv(a: Num, b: Num, c: Num) -> Num:
+    """Exact floor(a * b / c) for non-negative integers: products such as params x 10^12 overflow int64 in the
+    planner's bulk mode, so arrays are computed with Python integers (object dtype) and converted back."""
+    if _is_scalar(a, b, c):
+        return (a * b) // c
+    import numpy as np
+
+    obj = (np.asarray(a, dtype=object) * b) // c
+    return np.asarray(obj, dtype=np.int64) if np.ndim(obj) else int(obj)

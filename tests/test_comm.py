@@ -160,7 +160,7 @@ def test_measured_fsdp2_zero3_fp32():
     resharded after forward, so not re-gathered) + reduce-scatter 4P."""
     p = total_params(TINY)
     colls = comm.collectives(make(precision="fp32", dp=4, zero=3))
-    fwd = pick(colls, "all-gather", "dp", "forward")
+    fwd = pick(colls, "all-gather", "dp", "in forward")
     bwd = pick(colls, "all-gather", "dp", "backward")
     rs = pick(colls, "reduce-scatter", "dp")
     assert fwd.bytes_per_call == 4 * p
@@ -341,7 +341,7 @@ def test_placement_and_effective_bandwidth():
     """DESIGN sec. 5: a group is intra-node when (product of inner sizes) * size <= GPUs per node; across nodes
     B_eff = per-GPU NIC bandwidth x the group's ranks per node."""
     # tp=2 innermost, dp=8: dp stride 2, 4 of its ranks per node -> inter-node at 4 x 50e9
-    r = make(profile="megatron", tp=2, dp=8)
+    r = make(profile="megatron", tp=2, dp=8, sp=False)  # no SP: TP all-reduces (megatron turns SP on by default)
     c = pick(comm.collectives(r), "all-reduce", "dp")
     assert comm.ranks_per_node(r, [(2, 8)]) == 4
     assert c.link == "inter-node"
@@ -349,14 +349,14 @@ def test_placement_and_effective_bandwidth():
     tp = pick(comm.collectives(r), "all-reduce", "tp", "layers")
     assert tp.link == "intra-node"
     # dp innermost: dp=4 in one node at NVLink speed, tp=2 strides over 4 -> still in the node
-    r2 = make(profile="megatron", tp=2, dp=4, order="dp,tp,cp,pp")
+    r2 = make(profile="megatron", tp=2, dp=4, order="dp,tp,cp,pp", sp=False)
     c2 = pick(comm.collectives(r2), "all-reduce", "dp")
     assert c2.link == "intra-node"
     p2 = stage_params(r2, 0)[0]  # tp-sharded, fp32 main grads
     assert c2.bytes_per_call == 4 * p2
     assert c2.seconds_per_step == pytest.approx(2 * 3 * 5e-6 + 4 * p2 * 2 * 3 / 4 / 450e9)
     # tp=8 fills the node: dp has one rank per node -> one NIC
-    r3 = make(GPT, profile="megatron", tp=8, dp=4)
+    r3 = make(GPT, profile="megatron", tp=8, dp=4, sp=False)
     c3 = pick(comm.collectives(r3), "all-reduce", "dp")
     assert c3.link == "inter-node"
     assert c3.seconds_per_step == pytest.approx(2 * 3 * 5e-6 + c3.bytes_per_step / 50e9)
@@ -416,8 +416,9 @@ def test_arrays_equal_scalars_cp_ep_moe_and_tp1():
                     moe=MoESpec(experts=8, top_k=2, expert_ffn=1408, shared_experts=1))
     lays = [dict(tp=1, cp=1, ep=1), dict(tp=2, cp=2, ep=2), dict(tp=1, cp=4, ep=8), dict(tp=4, cp=1, ep=4),
             dict(tp=2, cp=1, ep=8, pp=2)]
+    # sp is categorical (one value per bulk run): fix it, since megatron would turn it on only where tp > 1
     runs = [make(moe, profile="megatron", gpus=64, seq=4096, global_batch=128, recompute="full",
-                 recompute_layers=1, **lay) for lay in lays]
+                 recompute_layers=1, sp=False, **lay) for lay in lays]
     _agree(runs)
     runs = [make(MODEL_A, profile="torch", gpus=32, seq=1024, global_batch=64, **lay)
             for lay in (dict(tp=1), dict(tp=2, pp=2), dict(tp=1, cp=2, pp=4))]
@@ -457,3 +458,54 @@ def test_worked_example_doc_is_generated_by_the_script():
                          text=True, check=True, cwd=ROOT).stdout
     doc = (ROOT / "docs" / "worked-example-70b.md").read_text()
     assert out == doc, "regenerate: python scripts/worked_example_70b.py > docs/worked-example-70b.md"
+
+
+# ------------------------------------------------------------------------------------------ fine-tuning, DP modes
+
+
+def test_lora_reduces_adapter_gradients_only():
+    from memcalc.cost.params import lora_layer_params
+
+    r = make(precision="bf16", dp=8, lora_rank=8, lora_targets="attn")
+    (c,) = comm.collectives(r)
+    adapters = TINY.layers * lora_layer_params(TINY, "attn", 8, 1)
+    assert (c.op, c.bytes_per_call) == ("all-reduce", 4 * adapters)
+
+
+def test_zero3_gathers_frozen_weights_too():
+    from memcalc.cost.params import stage_param_split
+    from memcalc.cost.states import frozen_bytes
+
+    r = make(precision="bf16", dp=4, zero=3, lora_rank=8)
+    sp_ = stage_param_split(r, 0)
+    frozen = frozen_bytes(r, sp_.frozen_linear, sp_.frozen_linear_rows, sp_.frozen_linear_matrices, sp_.frozen_other)
+    fwd = pick(comm.collectives(r), "all-gather", "dp", "in forward every")
+    assert fwd.bytes_per_call == 2 * sp_.trainable + frozen
+    rs = pick(comm.collectives(r), "reduce-scatter", "dp")
+    assert rs.bytes_per_call == 4 * sp_.trainable
+
+
+def test_parameter_server_push_and_pull():
+    """Li et al. 2014: workers push gradients and pull parameters once per step; one server link serves all."""
+    p = total_params(TINY)
+    n = 4
+    r = make(precision="fp32", dp=n, dp_mode="ps")
+    push, pull = comm.collectives(r)
+    assert (push.op, push.bytes_per_call, push.bytes_per_step, push.calls_per_step) == ("send/recv", 4 * p, 4 * p, 1)
+    assert pull.bytes_per_call == 4 * p
+    assert push.seconds_per_step == pytest.approx(5e-6 + 4 * p / (450e9 / n))  # one node: NVLink shared n ways
+
+
+def test_torch_data_parallel_broadcast_and_reduce_every_micro_batch():
+    """torch.nn.DataParallel: replicate (broadcast from GPU 0) every forward, reduce-add onto GPU 0 every backward."""
+    p = total_params(TINY)
+    r = make(precision="fp32", dp=4, grad_accum=3, dp_mode="dataparallel")
+    colls = comm.collectives(r)
+    assert kinds(colls) == [("dp", "broadcast"), ("dp", "reduce")]
+    assert all(c.calls_per_step == 3 and c.bytes_per_call == 4 * p and c.bytes_per_step == 12 * p for c in colls)
+
+
+def test_arrays_equal_scalars_finetune():
+    runs = [make(MODEL_A, profile="torch", gpus=64, seq=1024, global_batch=256, lora_rank=16, zero=3, **lay)
+            for lay in (dict(tp=1), dict(tp=2, pp=2), dict(tp=4, pp=1), dict(tp=2, pp=4))]
+    _agree(runs)

@@ -162,3 +162,58 @@ def test_mfu_setting_scales_compute_time():
     a = make(m, dp=8, mfu=0.5)
     b = make(m, dp=8, mfu=0.25)
     assert compute.compute_seconds(b) == pytest.approx(2 * compute.compute_seconds(a))
+
+
+# ------------------------------------------------------------------------------------------ fine-tuning, schedules
+
+
+LLAMA7B = ModelSpec(name="llama-2-7b", hidden=4096, layers=32, heads=32, ffn=11008, vocab=32000)
+
+
+def test_lora_skips_weight_gradients_of_the_frozen_base():
+    """LoRA (Hu et al. 2021): the frozen W still runs forward and propagates input gradients (2 FLOPs per weight
+    each) but computes no weight gradient: ~4N instead of 6N, plus the adapters' 6 FLOPs per adapter weight."""
+    s, r_ = 4096, 16
+    full = make(LLAMA7B, seq=s)
+    lora = make(LLAMA7B, seq=s, lora_rank=r_, lora_targets="all")
+    h, f, L, V = 4096, 11008, 32, 32000
+    w, att = 4 * h * h + 3 * h * f, 4 * s * h
+    adapters = (3 * h * r_ + r_ * 3 * h) + (h * r_ + r_ * h) + 2 * (h * r_ + r_ * f) + (f * r_ + r_ * h)
+    fwd = L * (2 * w + att + 2 * adapters) + 2 * h * V
+    bwd = L * (2 * w + 2 * att + 2 * adapters) + 2 * h * V + L * 2 * adapters
+    assert compute.model_flops_per_token(lora) == fwd + bwd
+    assert compute.model_flops_per_token(full) == 3 * (L * (2 * w + att) + 2 * h * V)
+    ratio = compute.model_flops_per_token(lora) / compute.model_flops_per_token(full)
+    assert 0.66 < ratio < 0.73  # 2/3 for the matmuls; the attention core (12 s h per layer) is unchanged
+
+
+def test_frozen_bottom_layers_stop_the_backward():
+    s, k = 2048, 8
+    h, f, L, V = 4096, 11008, 32, 32000
+    w2, att = 2 * (4 * h * h + 3 * h * f), 4 * s * h
+    r = make(LLAMA7B, seq=s, freeze=("embeddings", f"layers:{k}"))
+    fwd = L * (w2 + att) + 2 * h * V
+    # input grads through the top L-k layers and the head; weight grads of the top L-k layers and the head
+    bwd = (L - k) * (w2 + 2 * att) + 2 * h * V + (L - k) * w2 + 2 * h * V
+    assert compute.model_flops_per_token(r) == fwd + bwd
+    # with trainable embeddings the backward must reach layer 0 (input grads only below layer k)
+    r2 = make(LLAMA7B, seq=s, freeze=(f"layers:{k}",))
+    assert compute.backward_flops_per_token(r2) == L * (w2 + 2 * att) + 2 * h * V + (L - k) * w2 + 2 * h * V
+
+
+def test_pipedream_has_no_bubble():
+    """PipeDream / PipeDream-2BW never flush the pipeline (Narayanan et al. 2019 sec. 3; 2021 sec. 3)."""
+    m = ModelSpec(name="t", hidden=1024, layers=8, heads=8, ffn=4096, vocab=1000)
+    for sched in ("pipedream", "pipedream-2bw"):
+        r = make(m, pp=4, dp=2, grad_accum=8, schedule=sched)
+        assert compute.bubble_seconds(r) == 0
+        assert compute.step_seconds(r) == compute.compute_seconds(r) + compute.exposed_comm_seconds(r)
+    assert compute.bubble_seconds(make(m, pp=4, dp=2, grad_accum=8)) > 0
+
+
+def test_planner_names():
+    """memcalc/plan/search.py looks up step_seconds, tokens_per_second, flops_per_step and mfu."""
+    for name in ("step_seconds", "tokens_per_second", "flops_per_step", "mfu", "exposed_comm_seconds"):
+        assert callable(getattr(compute, name))
+    r = make(LLAMA7B, dp=8, tp=1)
+    assert compute.mfu(r) == compute.achieved_mfu(r) == pytest.approx(estimate(r, advice=False).compute.mfu)

@@ -36,7 +36,7 @@ from memcalc.cost.params import (
 )
 from memcalc.cost.states import model_states
 from memcalc.specs import DTYPE_BYTES, Run
-from memcalc.xp import cdiv, imax, imin, where
+from memcalc.xp import muldiv, cdiv, imax, imin, where
 
 Num = Any
 
@@ -86,7 +86,7 @@ def _scaled(run: Run, x: Num) -> Num:
     m = run.model
     if m.params_override is None:
         return x
-    return (x * m.params_override) // shape_params(m)
+    return muldiv(x, m.params_override, shape_params(m))
 
 
 def stage_units(run: Run, stage: Num) -> tuple[Num, Num]:

@@ -59,7 +59,7 @@ from memcalc.cost.params import (
     stage_params,
 )
 from memcalc.specs import DTYPE_BYTES, Run
-from memcalc.xp import imax, imin, where
+from memcalc.xp import muldiv, as_int, imax, imin, where
 
 Num = Any
 
@@ -168,6 +168,8 @@ def _bandwidth(run: Run, kind: str, n: Num, k: Num) -> tuple[Num, Num]:
     b_in = hw.intra_node_bytes_per_s if hw.intra_node_bytes_per_s > 0 else float("inf")
     b_out = hw.inter_node_bytes_per_s if hw.inter_node_bytes_per_s > 0 else float("inf")
     intra = k >= n
+    if b_out == float("inf"):  # no inter-node figure: inter-node collectives are timed by latency alone
+        return intra, where(intra, b_in + 0.0 * k, b_out + 0.0 * k)
     if kind == "ring":
         inter_bw = imin(b_in, b_out * k)
     elif kind == "a2a":
@@ -224,7 +226,7 @@ def _root_params(run: Run, stage: Num, total: Num) -> Num:
     dense_l, expert_l = layer_params(m, run.tp, run.ep)
     in_layers = stage_layers(m, run.pp, stage) * (dense_l + expert_l)
     if m.params_override is not None:
-        in_layers = in_layers * m.params_override // shape_params(m)
+        in_layers = muldiv(in_layers, m.params_override, shape_params(m))
     return imax(total - in_layers, 0)
 
 
@@ -262,7 +264,8 @@ def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
         if which == "dense":
             # FSDP2's root (embedding, final norm, LM head) is not gathered again in backward
             full = stage_params(run, stage)[0]
-            bwd_gathered = gathered * (full - _root_params(run, stage, full)) // imax(full, 1)
+            # float ratio, then round: gathered * (full - root) overflows int64 in the planner's bulk mode
+            bwd_gathered = as_int(gathered * ((full - _root_params(run, stage, full)) / imax(full, 1)))
         else:
             bwd_gathered = gathered
         if prof == "megatron":

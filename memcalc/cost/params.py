@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any
 
 from memcalc.specs import ModelSpec, Run
-from memcalc.xp import cdiv, imax, imin, where
+from memcalc.xp import muldiv, cdiv, imax, imin, where
 
 Num = Any
 
@@ -128,7 +128,7 @@ def stage_params(run: Run, stage: Num) -> tuple[Num, Num]:
     expert = n * expert_l
     if m.params_override is not None:
         scale_num, scale_den = m.params_override, shape_params(m)
-        return (dense * scale_num) // scale_den, (expert * scale_num) // scale_den
+        return muldiv(dense, scale_num, scale_den), muldiv(expert, scale_num, scale_den)
     return dense, expert
 
 
@@ -141,7 +141,7 @@ def largest_unit_params(run: Run) -> Num:
     layer = dense_l + expert_l
     biggest = where(emb > layer, emb, layer)
     if m.params_override is not None:
-        return (biggest * m.params_override) // shape_params(m)
+        return muldiv(biggest, m.params_override, shape_params(m))
     return biggest
 
 
@@ -230,7 +230,7 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
     lin, rows, mats = layer_matrix_stats(m, run.tp, run.ep)
     if t.lora_rank is not None:
         adapters = n_layers * lora_layer_params(m, t.lora_targets, t.lora_rank, run.tp)
-        frozen_lin = n_layers * lin * scale_num // scale_den
+        frozen_lin = muldiv(n_layers * lin, scale_num, scale_den)
         return ParamSplit(adapters, 0 * dense, frozen_lin, n_layers * rows, n_layers * mats,
                           dense + expert - frozen_lin)
     k = freeze_layers(t)
@@ -241,8 +241,8 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
         frozen = frozen + where(stage == 0, embedding_params(m, run.profile, run.tp), 0)
     if "head" in t.freeze and not m.tied_embeddings:
         frozen = frozen + where(stage == run.pp - 1, head_params(m, run.profile, run.tp), 0)
-    frozen = frozen * scale_num // scale_den
-    frozen_expert = frozen_here * expert_l * scale_num // scale_den
+    frozen = muldiv(frozen, scale_num, scale_den)
+    frozen_expert = muldiv(frozen_here * expert_l, scale_num, scale_den)
     return ParamSplit(dense - (frozen - frozen_expert), expert - frozen_expert, 0 * dense, 0 * dense, 0 * dense,
                       frozen)
 
@@ -291,5 +291,5 @@ def fsdp_shard_elems(run: Run, stage: Num, degree: Num) -> Num:
         total = total + c * cdiv(d0, degree) * row
     m = run.model
     if m.params_override is not None:
-        return (total * m.params_override) // shape_params(m)
+        return muldiv(total, m.params_override, shape_params(m))
     return total

@@ -30,7 +30,7 @@ from typing import Any
 
 from memcalc.cost.params import matrix_shapes, stage_layers, stage_params
 from memcalc.specs import DTYPE_BYTES, Run
-from memcalc.xp import cdiv, where
+from memcalc.xp import cdiv, muldiv, where
 
 Num = Any
 
@@ -110,7 +110,7 @@ def _adafactor_elems(run: Run, n_elems: Num, stage: Num) -> Num:
     )
     dense, expert = stage_params(run, stage)
     full = dense + expert
-    return cdiv(stage_total * n_elems, where(full > 0, full, 1))
+    return -muldiv(-stage_total, n_elems, where(full > 0, full, 1))  # ceil(stage_total * n / full), int64-safe
 
 
 def frozen_bytes(run: Run, linear: Num, rows: Num, mats: Num, other: Num) -> Num:
@@ -145,6 +145,7 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
 
     r, m = run.recipe, run.model
     split = stage_param_split(run, stage)
+    finetune = run.training.lora_rank is not None or bool(run.training.freeze)
     dense, expert = split.trainable_dense, split.trainable_expert
     n = dense + expert
     d = run.shard_degree
@@ -156,7 +157,7 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
     def param_shard(x_dense: Num, x_expert: Num) -> Num:
         """ZeRO-2/3 shard of the parameters and grads. torch (FSDP2) shards tensor by tensor, padding dim 0
         (params.fsdp_shard_elems); a flat buffer (DeepSpeed, Megatron) pads once."""
-        if run.profile == "torch" and split.frozen == 0 and run.ep == 1 and m.moe is None:
+        if run.profile == "torch" and not finetune and m.moe is None:  # categorical tests only (array-safe)
             from memcalc.cost.params import fsdp_shard_elems
 
             return fsdp_shard_elems(run, stage, d)
@@ -180,7 +181,7 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
     else:
         grads = gb * (param_shard(dense, expert) if z >= 2 else n)
     # FSDP2 keeps the optimizer state on its per-tensor shards; ZeRO-1 and flat-buffer frameworks pad once
-    if run.profile == "torch" and z < 2 and split.frozen == 0:
+    if run.profile == "torch" and z < 2 and not finetune:
         # DTensor RowwiseParallel on nn.Embedding (torchtitan's plan): the weight is vocab-sharded but its gradient
         # comes back replicated at full V x h on every TP rank (validation-findings.md, measured to the byte).
         from memcalc.cost.params import embedding_params
