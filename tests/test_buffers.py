@@ -1,6 +1,6 @@
 """Buffers per profile (memcalc/cost/buffers.py): hand-computed cases with the arithmetic shown, DeepSpeed's own
 estimator outputs reproduced to the printed digit, and arrays against scalars. Sources in
-docs/methodology-buffers.md."""
+docs/methodology.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Caching-allocator fragmentation (memcalc/cost/fragmentation.py): reserved = allocated / (1 - f). Defaults and
-their data in docs/methodology-buffers.md ("Fragmentation")."""
+their data in docs/methodology.md ("Fragmentation")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Activation memory: what autograd saves for backward, op by op, for the profile's layer. DESIGN section 4.
 
 Every term is bytes for one layer and one micro-batch on one rank, after tensor (TP), sequence (SP) and context
-(CP) parallel division. The derivation of each term, with its source, is in docs/methodology-activations.md.
+(CP) parallel division. The derivation of each term, with its source, is in docs/methodology.md.
 
 Reference derivation: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
 (arXiv:2205.05198), sec. 4.1 (GPT layer: `sbh(34 + 5as/h)`), 4.2 (TP eq. 2, TP+SP eq. 4), 4.2.3 (pipeline) and

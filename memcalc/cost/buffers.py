@@ -1,5 +1,5 @@
 """Communication buffers, working sets and temporaries per framework profile. DESIGN.md section 4, "Buffers and
-overheads"; derivations and sources in docs/methodology-buffers.md.
+overheads"; derivations and sources in docs/methodology.md.
 
 `stage_buffers(run, stage)` returns named `Buffer`s for one rank of pipeline stage `stage`: bytes held on the GPU
 (inside the caching allocator, i.e. counted by `torch.cuda.max_memory_allocated`) that are neither model states

@@ -1,10 +1,10 @@
 """Communication per optimizer step: every collective one GPU takes part in, its bytes and its time.
-DESIGN.md section 5; every formula's derivation and source is collected in docs/methodology-comm.md.
+DESIGN.md section 5; every formula's derivation and source is collected in docs/methodology.md.
 
 Volume (bytes *sent by one GPU*), with S the full buffer of one call and n the group size, are the ring
 algorithms' figures, the bus-bandwidth factors of nccl-tests (NVIDIA/nccl-tests doc/PERFORMANCE.md):
-all-reduce 2(n-1)/n*S, reduce-scatter and all-gather (n-1)/n*S, all-to-all (n-1)/n*S, broadcast S (factor 1),
-send/recv S.
+all-reduce 2(n-1)/n*S, reduce-scatter and all-gather (n-1)/n*S, all-to-all (n-1)/n*S, broadcast and reduce S
+(factor 1), send/recv S.
 
 Time of one call: latency * ring steps + volume / B_eff (Hockney alpha-beta model; ring steps 2(n-1) for
 all-reduce, n-1 for reduce-scatter / all-gather / all-to-all / broadcast, 1 for send/recv). B_eff is the
@@ -21,7 +21,9 @@ Which collectives run, per profile (sources next to each builder below):
   megatron distributed optimizer / deepspeed reduce-scatter + all-gather once per step; ZeRO-2 reduce-scatter
   every micro-batch (+ torch FSDP2 `reshard_after_forward=False`: one all-gather per micro-batch; megatron /
   deepspeed: the all-gather once per step); ZeRO-3 all-gather in forward and again in backward + reduce-scatter,
-  every micro-batch (torch FSDP2: the root module stays unsharded after forward).
+  every micro-batch (torch FSDP2: the root module stays unsharded after forward). Only trainable parameters are
+  reduced (LoRA / --freeze); ZeRO-3 also gathers frozen weights. `dp_mode` ps: push grads + pull params through
+  one server link; dataparallel (torch.nn.DataParallel): broadcast params + reduce grads every micro-batch.
 - tensor parallel: megatron / deepspeed as Shoeybi et al. 2019 (sec. 3, Fig. 4): 2 all-reduces of s*b*h in
   forward and 2 in backward per layer per micro-batch, with SP the same volume as all-gather + reduce-scatter
   pairs (Korthikanti et al. 2022 sec. 4.2.2), +2 (one forward) under full recompute (ZeRO paper sec. 7.2.2);

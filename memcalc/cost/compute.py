@@ -1,4 +1,4 @@
-"""FLOPs, step time, tokens/s and MFU. DESIGN.md section 6; derivations and sources in docs/methodology-comm.md.
+"""FLOPs, step time, tokens/s and MFU. DESIGN.md section 6; derivations and sources in docs/methodology.md.
 
 FLOPs are counted from the layer shapes in memcalc/cost/params.py (`matrix_shapes`), never from a blended 6N:
 - matmuls: 2 FLOPs per weight element per token in the forward pass (one multiply-add), for every weight matrix a

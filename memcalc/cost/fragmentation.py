@@ -1,5 +1,5 @@
 """Caching-allocator fragmentation: reserved minus allocated memory. DESIGN.md section 4; derivation and data in
-docs/methodology-buffers.md ("Fragmentation").
+docs/methodology.md ("Fragmentation").
 
 PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp; docs "CUDA semantics / Memory management")
 rounds every request up to 512 bytes, serves requests <= 1 MiB from 2 MiB segments, requests < 10 MiB from 20 MiB
@@ -24,7 +24,7 @@ from memcalc.xp import as_int, where
 Num = Any
 
 # Published allocated/reserved pairs and the validation simulation put f between 1% and 6% for steady-state
-# training with the default allocator (docs/methodology-buffers.md table); these are the documented defaults.
+# training with the default allocator (docs/methodology.md table); these are the documented defaults.
 BASE_FRACTION = 0.03  # single compute stream: 512 B rounding (+0.02-0.05%) + block carving (+1.3-2.0%) + slack
 SIDE_STREAM_FRACTION = 0.05  # collectives on side streams hold blocks until their events complete (FSDP2, ZeRO-3)
 MEGATRON_FRACTION = 0.06  # SimuMax models Megatron-LM's reserved memory as allocated / 0.94

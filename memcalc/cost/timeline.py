@@ -5,7 +5,7 @@ Contract used by estimate.py and the planner (array-polymorphic like the rest of
 `stage_memory(run, stage) -> StageMemory` with one `Phase` per moment of the step, each giving the bytes live
 per category at that moment. `allocated_peak` is the elementwise maximum of the phase totals.
 
-Phases (docs/methodology-activations.md, "Timeline"):
+Phases (docs/methodology.md, "Timeline"):
 - forward: the end of the last forward before a backward. Model states; gradients only where the framework keeps
   them allocated between steps (`ModelStates.grads_persistent`: Megatron's and DeepSpeed's contiguous buffers;
   torch's `zero_grad(set_to_none=True)` frees them); the activations saved by every in-flight micro-batch plus the
@@ -34,9 +34,9 @@ Num = Any
 
 CATEGORIES: tuple[str, ...] = ("params", "master_weights", "grads", "optimizer", "activations", "buffers")
 
-# Components the cost model does not cover yet. "buffers" and "fragmentation" belong to the buffer/allocator
-# model (memcalc/cost/buffers.py, fragmentation.py): whoever lands it drops them here. Activations are modelled.
-NOT_MODELLED: tuple[str, ...] = ("buffers", "fragmentation")
+# Components the cost model does not cover (said in table and JSON, never a silent zero). Activations, buffers
+# (cost/buffers.py) and fragmentation (cost/fragmentation.py) are all modelled.
+NOT_MODELLED: tuple[str, ...] = ()
 
 _FWD_NOTE = "end of the last forward before a backward"
 _BWD_NOTE = "highest moment of backward"

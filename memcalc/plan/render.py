@@ -38,11 +38,11 @@ def _opts(lay: dict[str, Any]) -> str:
     return " ".join(p for p in parts if p)
 
 
-def _config_table(title: str, rows: list[dict[str, Any]], units: str, ranked: bool) -> Table:
+def _config_table(title: str, rows: list[dict[str, Any]], units: str, ranked: bool, gpus: bool = False) -> Table:
     t = Table(title=title, title_justify="left", header_style="bold", padding=(0, 1), box=None)
     if ranked:
         t.add_column("#", justify="right")
-    show_gpus = any(r["layout"]["gpus"] != rows[0]["layout"]["gpus"] for r in rows)
+    show_gpus = gpus or any(r["layout"]["gpus"] != rows[0]["layout"]["gpus"] for r in rows)
     if show_gpus:
         t.add_column("gpus", justify="right")
     t.add_column("layout")
@@ -69,7 +69,7 @@ def render_plan(result: dict[str, Any], units: str = "GiB", console: Console | N
     inp, s = result["inputs"], result["search"]
     model = inp["model"].get("display_name") or inp["model"]["name"]
     hw = inp["hardware"].get("display_name") or inp["hardware"]["name"]
-    c.print(f"[bold]memcalc plan[/bold]: {model} on {inp['gpus']} x {hw} ({_b(s['capacity_bytes'], units)} {units}), "
+    c.print(f"[bold]memcalc plan[/bold]: {model} on {'up to ' if inp['objective'] == 'gpus' else ''}{inp['gpus']} x {hw} ({_b(s['capacity_bytes'], units)} {units}), "
             f"global batch {inp['training']['global_batch']} x seq {inp['training']['seq']}, profile "
             f"{inp['profile']}, objective {inp['objective']}"
             + (f", keeping {inp['min_headroom']:.0%} free" if inp["min_headroom"] else ""))
@@ -83,7 +83,8 @@ def render_plan(result: dict[str, Any], units: str = "GiB", console: Console | N
     c.print("rejected: " + ", ".join(parts))
     if result["plans"]:
         c.print(_config_table(f"Top {len(result['plans'])} by {inp['objective']} (peak and free in {units} per GPU, "
-                              "worst stage, incl. fragmentation and runtime)", result["plans"], units, ranked=True))
+                              "worst stage, incl. fragmentation and runtime)", result["plans"], units, ranked=True,
+                              gpus=inp["objective"] == "gpus"))
         c.print("Reproduce:")
         for i, p in enumerate(result["plans"], start=1):
             c.print(f"  {i}. {p['command']}", soft_wrap=True, highlight=False, markup=False)
