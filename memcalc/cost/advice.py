@@ -12,6 +12,8 @@ from memcalc.specs import Run
 
 Change = tuple[str, str, Callable[[Run], Run]]
 
+MIN_SAVING_BYTES = 64 * 2**20
+
 
 def _candidates(run: Run) -> Iterator[Change]:
     t = run.training
@@ -62,8 +64,8 @@ def advise(run: Run, peak: int, limit: int = 3) -> list:
             after = peak_bytes(change(run))
         except (ValueError, ZeroDivisionError):
             continue
-        if after >= peak:
-            continue
+        if peak - after < max(MIN_SAVING_BYTES, peak // 100):
+            continue  # not worth suggesting: under 1% of the peak (or 64 MiB)
         out.append(Advice(change=desc, flags=flags, saves_bytes=peak - after, peak_bytes_after=after,
                           fits_after=after <= capacity))
     if fits_now:

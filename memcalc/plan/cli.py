@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 

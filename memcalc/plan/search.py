@@ -412,13 +412,11 @@ def _apply_flags(o: RunOptions, flags: str) -> RunOptions:
     words = shlex.split(flags)
     upd: dict[str, Any] = {}
     for flag, value in zip(words[::2], words[1::2]):
-        field = by_flag[flag]
-        default = RUN_OPTIONS[field][1]
-        upd[field] = int(value) if isinstance(default, int) or field in ("gpus",) else value
+        upd[by_flag[flag]] = int(value) if value.isdigit() else value
     return dataclasses.replace(o, **upd)
 
 
-def _advice(res: SearchResult, progress: Progress | None) -> list[dict[str, Any]]:
+def _advice(res: SearchResult) -> list[dict[str, Any]]:
     """When nothing fits: the closest configurations with the single changes that make them fit (each re-run
     through the cost model from its command), then the smallest multiple of the GPU count on which one fits."""
     from memcalc.cost.advice import advise
@@ -506,5 +504,5 @@ def plan(req: Request, progress: Progress | None = None, max_pareto: int = 50) -
         },
         "plans": plans,
         "pareto": [_row(res, res.feasible, int(i)) for i in front],
-        "advice": [] if feasible else _advice(res, progress),
+        "advice": [] if feasible else _advice(res),
     }

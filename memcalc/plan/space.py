@@ -51,7 +51,6 @@ RULES: dict[str, str] = {
     "pruned_micro_batch": "not kept: a smaller micro-batch of the same layout already exceeded the memory budget",
 }
 INVALID_LAYOUT_RULES: tuple[str, ...] = ("tp_heads", "tp_node", "pp_layers", "vpp_layers", "schedule", "cp_seq", "ep")
-_LAYOUT_RULES = INVALID_LAYOUT_RULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +252,7 @@ def enumerate_space(
         "cp_seq": seq % CP != 0,
         "ep": (ep > 1) & ((DP * CP) % ep != 0),
     }
-    for i, rule in enumerate(_LAYOUT_RULES):
+    for i, rule in enumerate(INVALID_LAYOUT_RULES):
         hit = (code < 0) & conds[rule]
         code[hit] = i
         rejected[rule] = int(hit.sum()) * n_mb * n_cat
