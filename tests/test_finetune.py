@@ -146,3 +146,17 @@ def test_finetune_bad_input(args, needle):
 def test_lora_fits_on_24gb_with_bf16_base():
     est = estimate(run_of(model="llama-2-7b", lora_rank=8, gpu="rtx-4090", seq=512, recompute="full"))
     assert est.memory.fits
+
+
+def test_lora_activations_drop_frozen_linear_inputs_and_add_low_rank():
+    from memcalc.cost.activations import layer_terms
+
+    full = layer_terms(run_of(model="llama-2-7b", seq=2048))
+    lora = layer_terms(run_of(model="llama-2-7b", seq=2048, lora_rank=8))
+    tok, h, f, r, c = 2048, 4096, 11008, 8, 2
+    # attention targeted: q/k/v/o adapters each save x A (tok x r); the MLP is frozen, so neither the gate/up
+    # input (tok x h) nor the down input (tok x f) is saved for a weight gradient
+    assert lora["lora_attn_low_rank"] == 4 * c * tok * r
+    assert full["mlp_input"] == c * tok * h and lora["mlp_input"] == 0
+    assert full["mlp_act_output"] == c * tok * f and lora["mlp_act_output"] == 0
+    assert sum(full.values()) - sum(lora.values()) == c * tok * h + c * tok * f - 4 * c * tok * r

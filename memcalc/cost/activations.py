@@ -146,7 +146,34 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
             _mlp_terms(run, "moe_shared_", c, tok, moe.shared_experts * moe.expert_ffn, out)
     if dropout:
         out["mlp_residual_dropout_mask"] = tok_sp * h
+    if run.training.lora_rank is not None:
+        _lora_terms(run, out, c, tok, eager)
     return out
+
+
+def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, eager: bool) -> None:
+    """LoRA (Hu et al. 2021): a frozen linear saves no input for its weight gradient (autograd saves a matmul's
+    input only for a weight that requires grad), while each adapter saves its input x (the same tensor the base
+    linear reads: no extra bytes) and its low-rank intermediate x A (tok x r) for B's gradient. PEFT's default
+    lora_dropout = 0 is assumed (with dropout each adapter also saves a dropped copy of x)."""
+    t = run.training
+    r = t.lora_rank
+    attn = t.lora_targets in ("attn", "all")
+    mlp = t.lora_targets in ("mlp", "all")
+    if attn:
+        out["lora_attn_low_rank"] = 4 * c * tok * r  # q, k, v, o: x A for each
+    else:
+        out["qkv_input"] = 0 * out["qkv_input"]  # only the frozen q/k/v weights would have saved it
+        if eager:
+            out["attn_output"] = 0 * out["attn_output"]  # flash keeps its output for its own backward
+    if run.model.moe is not None:
+        return  # MoE: LoRA on attention only (resolve() refuses mlp targets); expert terms unchanged
+    if mlp:
+        n_in = 2 if run.model.mlp == "swiglu" else 1
+        out["lora_mlp_low_rank"] = (n_in + 1) * c * tok * r  # gate/up (or fc), down
+    else:
+        out["mlp_input"] = 0 * out["mlp_input"]  # input of the frozen gate/up (or fc) only
+        out["mlp_act_output"] = 0 * out["mlp_act_output"]  # input of the frozen down (or proj) only
 
 
 def layer_bytes(run: Run, recompute: str = "none", paper_terms: bool = False) -> Num:
