@@ -160,3 +160,15 @@ def test_lora_activations_drop_frozen_linear_inputs_and_add_low_rank():
     assert full["mlp_input"] == c * tok * h and lora["mlp_input"] == 0
     assert full["mlp_act_output"] == c * tok * f and lora["mlp_act_output"] == 0
     assert sum(full.values()) - sum(lora.values()) == c * tok * h + c * tok * f - 4 * c * tok * r
+
+
+def test_dataparallel_gpu0_holds_every_replicas_logits():
+    # torch.nn.DataParallel gathers the outputs of all replicas on GPU 0 and computes the loss there
+    from memcalc.cost.activations import last_stage_terms
+
+    dp = run_of(model="gpt2", gpus=4, dp_mode="dataparallel", seq=1024)
+    ddp = run_of(model="gpt2", gpus=4, seq=1024)
+    tok, V = 1024, 50257
+    assert last_stage_terms(dp)["dataparallel_gathered_logits"] == 4 * tok * V * 2  # 4 replicas, bf16
+    assert last_stage_terms(dp)["loss_logits_fp32"] == 4 * last_stage_terms(ddp)["loss_logits_fp32"]
+    assert estimate(dp).memory.peak_bytes > estimate(ddp).memory.peak_bytes

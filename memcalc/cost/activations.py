@@ -200,13 +200,24 @@ def last_stage_terms(run: Run) -> dict[str, Num]:
     c, tok, tok_sp, tok_in = _shape(run)
     h = m.hidden
     stats = _fp32_norm_stats(run) * tok_sp
-    return {
+    out = {
         "final_norm": c * tok_sp * h + stats,
         "output_layer_input": c * tok_in * h,  # Korthikanti sec. 4.3: 2sbh/t (with SP)
         # cross-entropy in fp32: the log-softmax (torch) or softmax (Megatron vocab-parallel CE) saved for
         # backward, s*b*V/t fp32 (Korthikanti sec. 4.3: 4sbv/t); one chunk of it with a chunked loss
-        "loss_logits_fp32": 4 * _loss_fp32_elems(run),
+        "loss_logits_fp32": 4 * _loss_fp32_elems(run) * _gathered_replicas(run),
     }
+    if run.dp_mode == "dataparallel":
+        # torch.nn.DataParallel (torch/nn/parallel/data_parallel.py): every replica's output is gathered onto
+        # GPU 0 (`gather(outputs, output_device)`) and the loss runs there over the whole batch: GPU 0 holds the
+        # gathered logits of all dp replicas and the loss's fp32 terms for all of them.
+        out["dataparallel_gathered_logits"] = c * _logit_elems(run) * run.dp
+    return out
+
+
+def _gathered_replicas(run: Run) -> Num:
+    """Replicas whose loss runs on this GPU: dp on GPU 0 under torch.nn.DataParallel, else 1."""
+    return run.dp if run.dp_mode == "dataparallel" else 1
 
 
 def _logit_elems(run: Run) -> Num:
@@ -237,7 +248,7 @@ def loss_transients(run: Run) -> tuple[Num, Num]:
     """
     c = DTYPE_BYTES[run.recipe.compute_dtype]
     n = _logit_elems(run)
-    n32 = _loss_fp32_elems(run)
+    n32 = _loss_fp32_elems(run) * _gathered_replicas(run)  # DataParallel: GPU 0 runs the loss for all replicas
     inplace = run.profile == "megatron"
     chunked = run.training.loss == "chunked"
     fwd = c * n + (0 if inplace else 4 * n32)

@@ -189,16 +189,16 @@ def _totals(run: Run, sm: StageMemory) -> tuple[int, int, int, Any]:
     peak_ph = _peak_phase(sm)
     allocated = int(peak_ph.total)
     frag = int(fragmentation_bytes(run, allocated))
-    total = allocated + frag + runtime_bytes(run)
+    total = allocated + frag + int(runtime_bytes(run))
     return allocated, frag, total, peak_ph
 
 
-def runtime_bytes(run: Run) -> int:
+def runtime_bytes(run: Run) -> Any:
     """Memory outside the caching allocator: the GPU preset's CUDA context + first NCCL communicator, plus one
-    communicator per further process group the layout creates (memcalc/cost/buffers.py)."""
+    communicator per further process group the layout creates (memcalc/cost/buffers.py). Array-polymorphic."""
     from memcalc.cost.buffers import extra_communicator_bytes
 
-    return run.hardware.runtime_overhead_bytes + int(extra_communicator_bytes(run))
+    return run.hardware.runtime_overhead_bytes + extra_communicator_bytes(run)
 
 
 def stage_report(run: Run, stage: int) -> tuple[StageMemory, StageOut]:
@@ -206,7 +206,7 @@ def stage_report(run: Run, stage: int) -> tuple[StageMemory, StageOut]:
     allocated, frag, total, peak_ph = _totals(run, sm)
     comps = {k: int(peak_ph.live.get(k, 0)) for k in CATEGORIES}
     comps["fragmentation"] = frag
-    comps["runtime"] = runtime_bytes(run)
+    comps["runtime"] = int(runtime_bytes(run))
     out = StageOut(
         stage=stage,
         first_rank=rank_of_stage(run, stage),

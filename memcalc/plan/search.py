@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from memcalc.cost.buffers import extra_communicator_bytes
+from memcalc.cost.estimate import runtime_bytes
 from memcalc.cost.fragmentation import fragmentation_bytes
 from memcalc.cost.timeline import stage_memory
 from memcalc.errors import InputError
@@ -220,8 +220,7 @@ def bulk_peak(run: Run, n: int) -> np.ndarray:
     """Peak bytes (allocated + fragmentation + runtime) of the worst of stage 0 and stage pp-1, per element."""
     pp = np.asarray(run.pp)
     stages: list[Any] = [0] if bool(np.all(pp == 1)) else [0, run.pp - 1]
-    # = memcalc.cost.estimate.runtime_bytes(run), which int()s its result and so takes scalar runs only
-    runtime = run.hardware.runtime_overhead_bytes + _as_i64(extra_communicator_bytes(run), n)
+    runtime = _as_i64(runtime_bytes(run), n)  # the same function estimate uses
     peak = None
     for stage in stages:
         alloc = _as_i64(stage_memory(run, stage).allocated_peak, n)
