@@ -339,13 +339,21 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     pp = run.pp
     units = in_flight(run, stage)
     if run.schedule == "interleaved":
-        unit_layers = m.layers // (pp * run.vpp)  # resolve() checks pp*vpp | L
-        total_units = run.grad_accum * run.vpp
-        n_mb = cdiv(units, run.vpp)  # micro-batches whose embedding / loss terms are held (approximation)
+        v = run.vpp
+        unit_layers = m.layers // (pp * v)  # resolve() checks pp*vpp | L
+        total_units = run.grad_accum * v
+        # Megatron runs forwards in groups of pp micro-batches per model chunk (chunk id of the k-th forward:
+        # (k mod pp*v) // pp; schedules.py get_model_chunk_id): of the `units` forwards before the first backward,
+        # count those of chunk 0 (embedding, on stage 0) and of chunk v-1 (loss, on the last stage)
+        groups = units // (pp * v)
+        rem = units - groups * pp * v
+        n_first = groups * pp + imin(rem, pp)
+        n_last = groups * pp + imax(imin(rem - (v - 1) * pp, pp), 0)
+        n_every = units  # rotary tables and pipeline outputs: one per model-chunk forward
     else:
         unit_layers = stage_layers(m, pp, stage)
         total_units = run.grad_accum
-        n_mb = units
+        n_first = n_last = n_every = units
     # checkpointed layers per unit: `recompute_layers` K per stage (per model chunk when interleaved), the
     # first K (Megatron --recompute-method block); None = all
     if mode == "none":
@@ -377,20 +385,23 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
 
     first = stage == 0
     last = stage == pp - 1
-    extra = 0
-    for key, v in first_stage_terms(run).items():
-        v = where(first, v, 0)
-        detail[key] = v * n_mb
-        extra = extra + v
-    for key, v in last_stage_terms(run).items():
-        v = where(last, v, 0)
-        detail[key] = v * n_mb
-        extra = extra + v
-    for key, v in every_stage_terms(run, stage).items():
-        detail[key] = v * n_mb
-        extra = extra + v
+    extra = 0  # per micro-batch (non-interleaved): what one backward frees besides the layers
+    held = units * unit_bytes
+    for key, x in first_stage_terms(run).items():
+        x = where(first, x, 0)
+        detail[key] = x * n_first
+        extra = extra + x
+        held = held + x * n_first
+    for key, x in last_stage_terms(run).items():
+        x = where(last, x, 0)
+        detail[key] = x * n_last
+        extra = extra + x
+        held = held + x * n_last
+    for key, x in every_stage_terms(run, stage).items():
+        detail[key] = x * n_every
+        extra = extra + x
+        held = held + x * n_every
 
-    held = units * unit_bytes + n_mb * extra
     # one backward frees one unit: a micro-batch (its layers and extras), or one model chunk when interleaved
     freed = unit_bytes if run.schedule == "interleaved" else unit_bytes + extra
     later_units = imin(units, total_units - 1)  # held when a later backward starts (steady state or drain)

@@ -152,6 +152,10 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                         recompute_layers=t.recompute_layers)
         if param_dtype != torch.float32:
             model.to(param_dtype)
+        if t.lora_rank is not None:
+            from memcalc.validate.model import apply_lora
+
+            apply_lora(model, t.lora_targets, t.lora_rank, DTYPES[t.base_dtype or recipe.compute_dtype])
         if run.pp > 1:
             model = split_stage(model, coords["pp"], run.pp, run)
         ddp_model = model
@@ -177,16 +181,17 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                 ddp_model.register_comm_hook(mesh.get_group("dp"), _fake_allreduce_hook)
         autocast = recipe.compute_copy and not fsdp
         foreach = recipe.foreach
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
         if recipe.master_weights:
-            optim: Any = MasterOptimizer(list(model.parameters()), _make_optimizer(run, foreach))
+            optim: Any = MasterOptimizer(trainable, _make_optimizer(run, foreach))
         elif run.zero == 1 and run.dp > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             cls, kw = _optimizer_class_kwargs(run, foreach)
-            optim = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=cls,
+            optim = ZeroRedundancyOptimizer(trainable, optimizer_class=cls,
                                             process_group=mesh.get_group("dp"), **kw)
         else:
-            optim = _make_optimizer(run, foreach)(list(model.parameters()))
+            optim = _make_optimizer(run, foreach)(trainable)
         params = [p for p in model.parameters()]
         tracker.param_storages = {k for k in (storage_key(p) for p in params) if k is not None}
 

@@ -206,3 +206,35 @@ def inner_block(blk: nn.Module) -> Block:
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over fp32 logits (the `full` loss: the fp32 upcast is a real transient)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class LoRALinear(nn.Module):
+    """A frozen base linear plus a trainable low-rank update B(A(x)) (Hu et al. 2021); B starts at zero as in PEFT."""
+
+    def __init__(self, base: nn.Linear, rank: int):
+        super().__init__()
+        self.base = base
+        dev = base.weight.device
+        self.lora_a = nn.Linear(base.in_features, rank, bias=False, device=dev, dtype=torch.float32)
+        self.lora_b = nn.Linear(rank, base.out_features, bias=False, device=dev, dtype=torch.float32)
+        nn.init.zeros_(self.lora_b.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+LORA_TARGETS = {"attn": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down"), "all": ("q", "k", "v", "o", "gate", "up", "down")}
+
+
+def apply_lora(model: nn.Module, targets: str, rank: int, base_dtype: torch.dtype) -> None:
+    """Freeze every base weight, store it in `base_dtype` (the compute dtype, as PEFT loads a base model), and
+    wrap the targeted projections with fp32 adapters (trained under autocast, like memcalc's torch recipe)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.to(base_dtype)
+    names = LORA_TARGETS[targets]
+    for module in list(model.modules()):
+        for name in names:
+            child = getattr(module, name, None)
+            if isinstance(child, nn.Linear):
+                setattr(module, name, LoRALinear(child, rank))

@@ -37,8 +37,10 @@ def check_supported(run: Run, world: str, device: str) -> None:
     if t.optimizer not in ("adam", "adamw", "sgd", "sgd-momentum"):
         raise Unsupported(f"--optimizer {t.optimizer} is not built by the harness; valid: adam, adamw, sgd, "
                           "sgd-momentum")
-    if t.lora_rank is not None or t.freeze or t.base_dtype is not None:
-        raise Unsupported("fine-tuning (LoRA, --freeze, quantized base) is not built by the harness yet")
+    if t.freeze or t.base_dtype in ("nf4", "int8", "fp8"):
+        raise Unsupported("--freeze and quantized base weights are not built by the harness yet; LoRA is")
+    if t.lora_rank is not None and (run.tp > 1 or run.pp > 1 or run.zero >= 2 or run.cp > 1):
+        raise Unsupported("LoRA runs in the harness on one rank or with DDP / ZeRO-1 (tp = pp = cp = 1, zero <= 1)")
     if run.dp_mode != "collective":
         raise Unsupported(f"--dp-mode {run.dp_mode} is not built by the harness; valid: collective")
     if run.schedule not in ("1f1b", "gpipe"):
