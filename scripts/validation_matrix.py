@@ -54,6 +54,8 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     add("DDP fp32", dict(L, precision="fp32", gpus=2))
     add("DDP bf16 AMP", dict(L, precision="bf16", gpus=4))
     add("DDP fp32 GPT-2 block", dict(P, precision="fp32", gpus=8), gpt)
+    add("LoRA r=4 attn, bf16 base, single", dict(L, precision="bf16", lora_rank=4))
+    add("LoRA r=4 all, bf16 base, DDP", dict(L, precision="bf16", lora_rank=4, lora_targets="all", gpus=2))
     add("DDP fp32 grad-accum 2", dict(L, precision="fp32", gpus=2, grad_accum=2))
     add("DDP fp32 SGD momentum", dict(L, precision="fp32", gpus=2, optimizer="sgd-momentum"))
     add("DDP fp32 SGD", dict(L, precision="fp32", gpus=2, optimizer="sgd"))

@@ -1,5 +1,5 @@
 """Communication model: published volumes (ZeRO paper sec. 7, Megatron-LM, nccl-tests), the per-step collectives
-measured in /work/shared/research/validation-findings.md ("Measuring communication"), placement and bandwidth,
+measured in shared/research/validation-findings.md (the team notes) ("Measuring communication"), placement and bandwidth,
 and exact agreement between the scalar `collectives()` and the array-polymorphic totals."""
 
 from __future__ import annotations

@@ -99,10 +99,11 @@ def test_ddp_fp32_states_buckets_and_allreduce():
     m = rep["measured"]
     assert m["model_states"]["params"] == 4 * P
     assert m["model_states"]["grads"] == 4 * P
-    # AdamW: exp_avg + exp_avg_sq (8P) plus one fp32 `step` scalar per parameter tensor (2*9 + 3 = 21)
-    assert m["model_states"]["optimizer"] == 8 * P + 4 * 21
+    # AdamW: exp_avg + exp_avg_sq (8P); the fp32 `step` scalar per parameter tensor (2*9 + 3 = 21) is host memory
+    # on CUDA, so the harness counts it with the persistent buffers, not as device optimizer state
+    assert m["model_states"]["optimizer"] == 8 * P
     # the DDP buckets: a persistent flat fp32 copy of the grads (rebuilt at step 2, live in every phase)
-    assert m["phases"]["forward"]["detail"]["persistent_buffers"] >= 4 * P
+    assert m["phases"]["forward"]["detail"]["persistent_buffers"] >= 4 * P + 4 * 21
     ar = _coll(rep, "all-reduce", "dp")
     assert ar["measured_bytes"] == 4 * P and ar["measured_calls"] == 1
     assert rep["kind"] == "validate" and rep["schema_version"]

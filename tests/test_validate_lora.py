@@ -29,7 +29,5 @@ def test_lora_model_states_and_peak(tiny, targets, gpus):
     r, h, f = 4, 64, 256
     per_layer = 4 * (h * r + r * h) + (0 if targets == "attn" else 2 * (h * r + r * f) + (f * r + r * h))
     assert states["grads"]["measured"] == 4 * 2 * per_layer  # fp32 grads of the adapters of 2 layers
-    # Adam moments: 8 bytes per adapter parameter; torch also keeps a 4-byte `step` per tensor on CPU
-    n_tensors = 2 * (8 if targets == "attn" else 14)
-    assert states["optimizer"]["measured"] == 8 * 2 * per_layer + 4 * n_tensors
+    assert states["optimizer"]["measured"] == 8 * 2 * per_layer  # Adam moments; `step` counters are host-side on CUDA
     assert rep["within_tolerance"], rep["error"]

@@ -315,20 +315,40 @@ class StageActivations:
     detail: dict[str, Num]  # named terms summed over layers and in-flight units; *_transient: extra at a phase
 
 
+# terms saved in forward up to and including the attention core; the rest of a layer (output projection, MLP,
+# their norms and masks) is saved after it, so its backward runs (and frees them) before the core's
+_UP_TO_CORE = ("attn_norm", "qkv_input", "q", "k", "v", "attn_softmax", "attn_dropout_mask", "attn_dropout_output",
+               "attn_lse", "lora_attn_low_rank")
+_CORE = ("attn_softmax", "attn_dropout_mask", "attn_dropout_output", "attn_lse")
+
+
 def recompute_transient_bytes(run: Run) -> Num:
-    """Bytes re-materialised for one checkpointed layer during its backward (0 without recompute).
-    full: the whole layer's saved activations minus its checkpointed input (the same tensor);
-    selective: the attention core (scores/softmax/dropout for eager; flash's out and log-sum-exp) plus the
-    recomputed attention output."""
+    """Net bytes a checkpointed layer adds, while its recomputation is live in backward, to the activations held
+    just before (0 without recompute; may be negative for selective).
+    full: torch.utils.checkpoint / Megatron re-run the whole layer's forward at the start of its backward: all
+    its saved activations except the checkpointed input (the same tensor).
+    selective: the attention core (scores/softmax/dropout for eager; flash's output and log-sum-exp) and the
+    recomputed attention output come back when the backward reaches the core, after the layer's output
+    projection and MLP have freed what they saved (Korthikanti sec. 5; Megatron `--recompute-granularity
+    selective`, core_attn)."""
     mode = run.training.recompute
     if mode == "none":
         return 0
-    plain = layer_bytes(run, "none")
-    kept = layer_bytes(run, mode)
+    terms = layer_terms(run, "none")
+    plain = 0
+    for v in terms.values():
+        plain = plain + v
     if mode == "full":
-        return plain - kept
-    c, tok, _, _ = _shape(run)
-    return plain - kept + c * tok * (run.model.heads // run.tp) * run.model.head_dim
+        return plain - layer_bytes(run, "full")
+    core = 0
+    before = 0
+    for k in _UP_TO_CORE:
+        if k in terms:
+            before = before + terms[k]
+            if k in _CORE:
+                core = core + terms[k]
+    after = plain - before
+    return core + terms["attn_output"] - after
 
 
 def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
@@ -381,7 +401,12 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             detail[key] = detail.get(key, 0) + v * mult
             kept_bytes = kept_bytes + v
         unit_bytes = unit_bytes + ck * kept_bytes
-        remat = where(ck > 0, recompute_transient_bytes(run), 0)
+        # Megatron `--recompute-method block` checkpoints the first ck layers of the unit: backward reaches them
+        # after the unit's plain layers of this micro-batch have freed their activations
+        plain_bytes = 0
+        for v in plain.values():
+            plain_bytes = plain_bytes + v
+        remat = where(ck > 0, recompute_transient_bytes(run) - plain_layers * plain_bytes, 0)
 
     first = stage == 0
     last = stage == pp - 1
@@ -417,7 +442,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     bwd_tr = imax(loss_bwd, remat + ring_bwd)
     detail["logits_forward_transient"] = loss_fwd
     detail["logits_grad_transient"] = loss_bwd
-    detail["recompute_transient"] = remat
+    detail["recompute_transient"] = imax(remat, 0)
     detail["cp_ring_kv_transient"] = ring_bwd
     return StageActivations(
         held_bytes=held,

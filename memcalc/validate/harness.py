@@ -300,7 +300,10 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
         if isinstance(optim, MasterOptimizer):
             label(optim.masters, "master_weights")
         for st in inner.state.values():
-            label(st.values(), "optimizer")
+            # torch.optim keeps a 4-byte `step` tensor per parameter; on CUDA it lives on the host (not
+            # capturable/fused), so it is not device optimizer state: count it with the persistent buffers
+            label([v for k, v in st.items() if k != "step"], "optimizer")
+            label([v for k, v in st.items() if k == "step"], "persistent_buffers")
         if fsdp:
             label(fsdp_buffer_storages(model), "sharded_buffers")
         phases = replay(tracker, cats, start_mark)

@@ -1,4 +1,4 @@
-"""Exact live-bytes tracking and a collective counter (see /work/shared/research/validation-findings.md).
+"""Exact live-bytes tracking and a collective counter (see shared/research/validation-findings.md (the team notes)).
 
 `Tracker` is a TorchDispatchMode that registers the UntypedStorage of every tensor an op returns (keyed by the
 storage's C pointer, freed through weakref.finalize), wraps `UntypedStorage.resize_` (FSDP2 frees and re-allocates

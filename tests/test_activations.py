@@ -1,0 +1,554 @@
+"""Activation memory (memcalc/cost/activations.py) against published formulas and figures, hand-computed cases and
+invariants. Sources: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(arXiv:2205.05198) sec. 4-5 and Figure 1 / Figure 7 (values as in ../shared/reference-cases.json, ids
+korthikanti_*); Rajbhandari et al. 2019, "ZeRO" sec. 3.2 and footnote 3 (id zero_gpt2_1p5B_activations_and_residuals).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from memcalc.cost.activations import (
+    LOSS_CHUNKS,
+    first_stage_terms,
+    in_flight,
+    last_stage_terms,
+    layer_bytes,
+    layer_terms,
+    loss_transients,
+    recompute_transient_bytes,
+    stage_activations,
+)
+from memcalc.specs import HardwareSpec, ModelSpec, MoESpec, ParallelSpec, TrainingSpec, resolve
+
+GIB = 2**30
+GB = 10**9
+HW = HardwareSpec(memory_bytes=80 * GIB)
+
+TRAINING_FIELDS = set(TrainingSpec.model_fields)
+
+
+def make(model: ModelSpec, profile: str = "megatron", **kw):
+    """A resolved Run from training and parallel keyword arguments (split by field name)."""
+    tr = {k: v for k, v in kw.items() if k in TRAINING_FIELDS}
+    par = {k: v for k, v in kw.items() if k not in TRAINING_FIELDS}
+    return resolve(model, TrainingSpec(**tr), ParallelSpec(**par), HW, profile=profile)
+
+
+def gpt(h: int, a: int, layers: int = 1, vocab: int = 51200, dropout: float = 0.1) -> ModelSpec:
+    """Korthikanti's GPT layer: MHA, GELU MLP of width 4h, LayerNorm, biases, learned positions, dropout."""
+    return ModelSpec(hidden=h, heads=a, layers=layers, ffn=4 * h, vocab=vocab, mlp="gelu", norm="layernorm",
+                     qkv_bias=True, linear_bias=True, tied_embeddings=True, positions="learned",
+                     max_positions=2048, dropout=dropout)
+
+
+def korthikanti(model: ModelSpec, **kw):
+    """Their setting: Megatron, fp16, eager attention with dropout."""
+    return make(model, "megatron", precision="fp16", attention="eager", **kw)
+
+
+# (h, a, s, b, t): the layers of the 22B, 175B, 530B and 1T models of Korthikanti Table 3, and a small one
+SHAPES = [(6144, 64, 2048, 4, 8), (12288, 96, 2048, 1, 8), (20480, 128, 2048, 1, 8), (25600, 160, 2048, 1, 8),
+          (1024, 16, 512, 2, 4)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Korthikanti sec. 4-5: per-layer formulas, exactly, with their conventions (no LayerNorm mean/rstd)
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("h,a,s,b,t", SHAPES)
+def test_korthikanti_per_layer_formulas_exact(h, a, s, b, t):
+    m = gpt(h, a)
+    sbh = s * b * h
+    att = 5 * a * s * s * b  # 5as^2b: softmax 2as^2b + dropout mask as^2b + dropout output 2as^2b
+    # sec. 4.1 eq. 1: sbh(34 + 5as/h)
+    assert layer_bytes(korthikanti(m, seq=s, micro_batch=b), paper_terms=True) == 34 * sbh + att
+    # sec. 4.2.1 eq. 2 (TP, no SP): sbh(10 + 24/t + 5as/(ht))
+    tp = korthikanti(m, seq=s, micro_batch=b, tp=t, sp=False)
+    assert layer_bytes(tp, paper_terms=True) == 10 * sbh + 24 * sbh // t + att // t
+    # sec. 4.2.2 eq. 4 (TP + SP): sbh(34 + 5as/h)/t
+    tpsp = korthikanti(m, seq=s, micro_batch=b, tp=t, sp=True)
+    assert layer_bytes(tpsp, paper_terms=True) == (34 * sbh + att) // t
+    # sec. 5 selective recompute: TP sbh(10 + 24/t), TP+SP 34sbh/t
+    assert layer_bytes(tp, "selective", paper_terms=True) == 10 * sbh + 24 * sbh // t
+    assert layer_bytes(tpsp, "selective", paper_terms=True) == 34 * sbh // t
+    # full recompute: the layer input, 2sbh (/t with SP, where the input is already sequence-sharded)
+    assert layer_bytes(tp, "full") == 2 * sbh
+    assert layer_bytes(tpsp, "full") == 2 * sbh // t
+
+
+@pytest.mark.parametrize("h,a,s,b,t", SHAPES[:2])
+def test_korthikanti_breakdown_by_block(h, a, s, b, t):
+    """Sec. 4.1: attention block 11sbh + 5as^2b, MLP 19sbh, the two LayerNorms 4sbh."""
+    terms = layer_terms(korthikanti(gpt(h, a), seq=s, micro_batch=b), paper_terms=True)
+    sbh = s * b * h
+    attn = ("qkv_input", "q", "k", "v", "attn_softmax", "attn_dropout_mask", "attn_dropout_output", "attn_output",
+            "attn_residual_dropout_mask")
+    mlp = ("mlp_input", "mlp_fc_output", "mlp_act_output", "mlp_residual_dropout_mask")
+    assert sum(terms[k] for k in attn) == 11 * sbh + 5 * a * s * s * b
+    assert sum(terms[k] for k in mlp) == 19 * sbh
+    assert terms["attn_norm"] + terms["mlp_norm"] == 4 * sbh
+    assert terms["residual_adds"] == 0  # an add saves nothing for backward
+    assert set(terms) == set(attn) | set(mlp) | {"attn_norm", "mlp_norm", "residual_adds"}
+
+
+@pytest.mark.parametrize("h,a,s,b,t", SHAPES)
+def test_terms_korthikanti_leaves_out_are_the_layernorm_statistics(h, a, s, b, t):
+    """The default inventory adds each LayerNorm's fp32 mean and rstd: 2 norms x 8 bytes x s*b (/t with SP);
+    1.9e-5 of the 22B layer unsharded or with TP+SP, 1.0e-4 with t = 8 without SP (the statistics are replicated
+    while the rest is divided)."""
+    for sp, div in ((False, 1), (True, t)):
+        r = korthikanti(gpt(h, a), seq=s, micro_batch=b, tp=t, sp=sp)
+        extra = layer_bytes(r) - layer_bytes(r, paper_terms=True)
+        assert extra == 2 * 8 * s * b // div
+        assert extra / layer_bytes(r, paper_terms=True) < 16 / (10 * h)  # the layer is at least 10sbh
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Korthikanti Figure 1 (per-GPU activations, GiB) and Figure 7 (% of the TP baseline)
+# ---------------------------------------------------------------------------------------------------------------
+
+# name: (h, a, L, micro_batch, global_batch, pp, vpp, Fig. 1 TP baseline GiB, Fig. 1 TP+SP+selective GiB, Fig. 7 %)
+# t = 8, s = 2048, dp = 1. The 1T model is not interleaved: 128 layers do not split into pp*3 = 192 chunks, and
+# its Figure 1 values are reproduced without the interleave factor.
+FIG1 = {
+    "22B": (6144, 64, 48, 4, 4, 1, 1, 59.25, 9.5625, {"seq": 66.84, "sel": 49.42, "seqsel": 16.18, "full": 7.64}),
+    "175B": (12288, 96, 96, 1, 64, 8, 3, 66.84375, 12.3515625,
+             {"seq": 62.04, "sel": 56.53, "seqsel": 18.49, "full": 8.71}),
+    "530B": (20480, 128, 105, 1, 280, 35, 3, 114.0234375, 23.076171875,
+             {"seq": 58.31, "sel": 62.04, "seqsel": 20.27, "full": 9.42}),
+    "1T": (25600, 160, 128, 1, 512, 64, 1, 131.25, 26.5625,
+           {"seq": 58.31, "sel": 62.04, "seqsel": 20.27, "full": 9.42}),
+}
+
+
+def fig1_run(name: str, sp: bool, recompute: str):
+    h, a, L, mb, gb, pp, vpp, *_ = FIG1[name]
+    return korthikanti(gpt(h, a, L), seq=2048, micro_batch=mb, global_batch=gb, tp=8, pp=pp, vpp=vpp, sp=sp,
+                       gpus=8 * pp, recompute=recompute)
+
+
+def layer_units(run, stage=0):
+    """(layer, micro-batch) pairs held by the stage at its first backward."""
+    units = in_flight(run, stage)
+    per = run.model.layers // (run.pp * run.vpp)
+    return units * per
+
+
+@pytest.mark.parametrize("name", FIG1)
+def test_korthikanti_interleaved_first_stage_holds_L_times_the_factor(name):
+    """Sec. 4.2.3: the first stage holds p micro-batches x L/p layers = L layers' worth, times
+    1 + (p-1)/(p*m) with interleaving (m model chunks)."""
+    h, a, L, mb, gb, pp, vpp, *_ = FIG1[name]
+    r = fig1_run(name, False, "none")
+    factor_num, factor_den = pp * vpp + pp - 1, pp * vpp  # 1 + (p-1)/(pm)
+    assert layer_units(r) * factor_den == L * factor_num
+    # 175B: 31 chunks of 4 layers = 124 = 96 * 31/24; 530B: 139 chunks of 1 layer = 105 * 139/105
+    assert {"175B": 124, "530B": 139, "22B": 48, "1T": 128}[name] == layer_units(r)
+
+
+@pytest.mark.parametrize("name", FIG1)
+@pytest.mark.parametrize("case", ["baseline", "seqsel"])
+def test_korthikanti_figure1_activations(name, case):
+    h, a, L, mb, gb, pp, vpp, base_gib, seqsel_gib, _ = FIG1[name]
+    sp, rec, fig = (False, "none", base_gib) if case == "baseline" else (True, "selective", seqsel_gib)
+    r = fig1_run(name, sp, rec)
+    # 1. Their conventions reproduce the figure to the byte: e.g. 22B baseline = 48 layers x 2048*4*6144 bytes
+    #    x (10 + 24/8 + 5*64*2048/(6144*8)) = 63,619,203,072 B = 59.25 GiB.
+    assert layer_bytes(r, rec, paper_terms=True) * layer_units(r) == fig * GIB
+    # 2. The full inventory's layer part (with LayerNorm statistics) within 1% (in fact within 0.002%).
+    sa = stage_activations(r, 0)
+    layer_keys = set(layer_terms(r)) | set(layer_terms(r, rec))
+    layers_part = sum(v for k, v in sa.detail.items() if k in layer_keys)
+    assert layers_part == layer_bytes(r, rec) * layer_units(r)
+    assert abs(layers_part / (fig * GIB) - 1) < 0.01
+    # 3. Figure 1 counts the transformer layers only. What the stage holds besides them is the embedding's input
+    #    ids (8sb) and dropout mask (sbh, /t with SP) per in-flight micro-batch of the first model chunk (sec. 4.3
+    #    calls them small); for 22B (pp = 1) also the final norm, LM-head input and fp32 logits.
+    s, t = 2048, 8
+    n_first = {"22B": 1, "175B": 15, "530B": 69, "1T": 64}[name]  # interleaved: chunk-0 forwards, see below
+    emb = n_first * (8 * s * mb + s * mb * h // (t if sp else 1))
+    rest = sa.held_bytes - layers_part - emb
+    if pp > 1:
+        assert rest == 0
+        assert sa.detail["embedding_dropout_mask"] == n_first * s * mb * h // (t if sp else 1)
+    else:
+        # 2sbh/t norm input (+ fp32 stats) + 2sbh/t LM-head input (no SP: 2sbh each) + 4sbV/t fp32 logits
+        sbh = s * mb * h // (t if sp else 1)
+        assert rest == 2 * sbh + 8 * s * mb // (t if sp else 1) + 2 * sbh + 4 * s * mb * 51200 // t
+    if name in ("22B", "175B"):
+        assert abs(sa.held_bytes / (fig * GIB) - 1) < 0.01  # the whole stage too
+
+
+def test_interleaved_first_chunk_micro_batches():
+    """Megatron runs forwards in groups of pp micro-batches per model chunk. 175B (pp 8, 3 chunks): stage 0 runs
+    31 forwards before its first backward: chunk 0 mb 0-7, chunk 1 mb 0-7, chunk 2 mb 0-7, chunk 0 mb 8-14, so
+    15 micro-batches hold the embedding's terms; the last stage runs 17 (chunks 0 and 1 of mb 0-7, chunk 2 of
+    mb 0), so one micro-batch holds the loss's. 530B (pp 35): 139 = 105 + 34 -> 35 + 34 = 69."""
+    r = fig1_run("175B", False, "none")
+    assert int(in_flight(r, 0)) == 31 and int(in_flight(r, 7)) == 17
+    d0, d7 = stage_activations(r, 0).detail, stage_activations(r, 7).detail
+    assert d0["embedding_input_ids"] == 15 * 8 * 2048
+    assert d7["loss_logits_fp32"] == 1 * 4 * 2048 * 51200 // 8
+
+
+@pytest.mark.parametrize("name", FIG1)
+def test_korthikanti_figure7_percentages(name):
+    """Figure 7: activation memory of SP only, selective only, both, and full recompute as % of the TP baseline,
+    within 0.1 percentage point (ratios of the per-layer formulas)."""
+    h, a, L, mb, gb, pp, vpp, *_, fig7 = FIG1[name]
+    base = layer_bytes(fig1_run(name, False, "none"), paper_terms=True)
+    got = {
+        "seq": layer_bytes(fig1_run(name, True, "none"), paper_terms=True),
+        "sel": layer_bytes(fig1_run(name, False, "selective"), "selective", paper_terms=True),
+        "seqsel": layer_bytes(fig1_run(name, True, "selective"), "selective", paper_terms=True),
+        "full": layer_bytes(fig1_run(name, False, "full"), "full"),
+    }
+    for k, pct in fig7.items():
+        assert abs(100 * got[k] / base - pct) < 0.1, (k, 100 * got[k] / base, pct)
+
+
+def test_korthikanti_appendix_b_pipeline_output_deallocation():
+    """Appendix B: Megatron frees each pipeline stage's output once sent; keeping it (torch pipelining, DeepSpeed)
+    costs s*b*h*p fp16 bytes on the first stage of 530B (t 8, p 35, no SP): 2.734 GiB ("2.73 GB")."""
+    m = gpt(20480, 128, 105)
+    kw = dict(precision="fp16", attention="eager", seq=2048, micro_batch=1, global_batch=280, tp=8, pp=35,
+              sp=False, gpus=280)
+    mega = stage_activations(make(m, "megatron", **kw), 0)
+    torch = stage_activations(make(m, "torch", **kw), 0)
+    assert torch.held_bytes - mega.held_bytes == 2 * 2048 * 1 * 20480 * 35 == 2_936_012_800
+    assert round(2_936_012_800 / GIB, 2) == 2.73
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ZeRO sec. 3.2: GPT-2 1.5B, seq 1K, batch 32: "about 60 GB" of activations, "about 8 GB" with checkpointing
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_zero_paper_gpt2_activations():
+    L, h, a, s, b = 48, 1600, 16, 1024, 32  # ZeRO Table 4/5 dims for 1.5B
+    sbh = s * b * h
+    # The paper's figure is its footnote 3: about 12 x hidden x batch x seq x layers elements, fp16.
+    footnote = 12 * h * b * s * L * 2
+    assert footnote == 60_397_977_600 and abs(footnote / (60 * GB) - 1) < 0.01
+    # Activation checkpointing "reduces the activation memory by approximately the square root" (Chen et al.
+    # 2016): checkpoint every k ~ sqrt(L) layers, keep L/k layer inputs (2sbh each) and re-materialise one segment
+    # of k layers (24sbh each in the footnote's convention). k = 6: 8*2sbh + 6*24sbh = 160sbh = 8.39 GB ~ 8 GB;
+    # equivalently 60.4 GB / sqrt(48) = 8.7 GB.
+    k = 6
+    sqrt_scheme = (L // k) * 2 * sbh + k * 24 * sbh
+    assert sqrt_scheme == 8_388_608_000 and abs(sqrt_scheme / (8 * GB) - 1) < 0.05
+    assert abs(footnote / math.sqrt(L) / (8 * GB) - 1) < 0.1
+
+    # memcalc's op-by-op inventory for the same layer (flash attention, no dropout, fp16): 16 elements per sbh
+    # (32 bytes) where the footnote says 12, plus LayerNorm statistics and the fp32 log-sum-exp:
+    m = ModelSpec(hidden=h, heads=a, layers=L, ffn=4 * h, vocab=50257, mlp="gelu", norm="layernorm",
+                  qkv_bias=True, linear_bias=True, tied_embeddings=True, positions="learned", max_positions=1024)
+    r = make(m, "torch", precision="fp16", seq=s, micro_batch=b)
+    per_layer = 32 * sbh + 2 * 8 * s * b + 4 * s * b * a
+    assert layer_bytes(r) == per_layer
+    assert L * per_layer == 80_656_465_920  # 80.7 GB: 4/3 of the footnote's 60.4 GB
+    # With one checkpoint per layer (Megatron / DeepSpeed full recompute) the layers hold 48 x 2sbh = 5.03 GB and
+    # one re-materialised layer (30sbh + stats + lse = 1.6 GB) during its backward: 6.6 GB, below the ~8 GB of
+    # the sqrt(L) scheme the paper quotes.
+    rf = make(m, "torch", precision="fp16", seq=s, micro_batch=b, recompute="full")
+    assert L * layer_bytes(rf, "full") == 48 * 2 * sbh == 5_033_164_800
+    assert recompute_transient_bytes(rf) == per_layer - 2 * sbh
+    assert round((L * 2 * sbh + per_layer - 2 * sbh) / GB, 1) == 6.6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Modern layers, hand-computed
+# ---------------------------------------------------------------------------------------------------------------
+
+def llama3_8b(layers: int = 32, **kw) -> ModelSpec:
+    base = dict(hidden=4096, heads=32, kv_heads=8, layers=layers, ffn=14336, vocab=128256, mlp="swiglu",
+                norm="rmsnorm", positions="rotary")
+    base.update(kw)
+    return ModelSpec(**base)
+
+
+def test_llama3_layer_flash_bf16_torch():
+    T, h, a, g, d, f = 8192, 4096, 32, 8, 128, 14336
+    r = make(llama3_8b(), "torch", seq=T)
+    terms = layer_terms(r)
+    assert terms["k"] == terms["v"] == 2 * T * g * d  # GQA: K and V at 8 heads
+    assert terms["attn_lse"] == 4 * T * a  # flash: fp32 log-sum-exp, no s x s tensor
+    assert "attn_softmax" not in terms and "attn_residual_dropout_mask" not in terms  # flash; no dropout
+    # 2 norms, QKV input, Q, attention output, MLP input: 6 x 2Th; RMSNorm rstd 4T each; K, V; LSE;
+    # SwiGLU: gate and up outputs, silu output (unfused), down input: 4 x 2Tf
+    expected = 6 * 2 * T * h + 2 * 4 * T + 2 * 2 * T * g * d + 4 * T * a + 4 * 2 * T * f
+    assert layer_bytes(r) == expected == 1_376_845_824
+    # Megatron's fused SwiGLU saves its input and recomputes silu: one 2Tf less
+    assert layer_bytes(make(llama3_8b(), "megatron", seq=T)) == expected - 2 * T * f
+
+
+def test_eager_attention_gqa_repeats_kv_and_keeps_scores():
+    T, a, d = 2048, 32, 128
+    r = make(llama3_8b(), "torch", seq=T, attention="eager")
+    terms = layer_terms(r)
+    assert terms["k"] == terms["v"] == 2 * T * a * d  # repeat_kv before the matmuls that save them
+    assert terms["attn_softmax"] == 2 * a * T * T  # no dropout: the softmax output, saved once
+    assert "attn_dropout_mask" not in terms
+
+
+def test_tp_sp_torch_saves_the_gathered_input_megatron_the_shard():
+    T, h, t = 4096, 4096, 4
+    kw = dict(seq=T, tp=t, sp=True, gpus=t)
+    torch_t = layer_terms(make(llama3_8b(), "torch", **kw))
+    mega_t = layer_terms(make(llama3_8b(), "megatron", **kw))
+    assert torch_t["attn_norm"] == mega_t["attn_norm"] == 2 * T // t * h + 4 * T // t  # sequence-sharded
+    assert torch_t["qkv_input"] == torch_t["mlp_input"] == 2 * T * h  # DTensor: the all-gathered tensor
+    assert mega_t["qkv_input"] == mega_t["mlp_input"] == 2 * T * h // t  # re-gathered in backward
+    assert torch_t["q"] == mega_t["q"] == 2 * T * (32 // t) * 128
+
+
+def test_moe_layer_terms_and_ep_independence():
+    T, h, E, k, f = 4096, 4096, 8, 2, 14336
+    m = llama3_8b(moe=MoESpec(experts=E, top_k=k, expert_ffn=f), vocab=32000)
+    r = make(m, "torch", seq=T, gpus=2)
+    terms = layer_terms(r)
+    assert terms["moe_router_probs"] == 4 * T * E
+    assert terms["moe_routing_metadata"] == (8 + 4) * T * k  # int64 index + fp32 weight per choice
+    assert terms["moe_dispatched_input"] == terms["moe_combine"] == 2 * k * T * h
+    assert terms["moe_expert_gate_up_output"] == 2 * 2 * k * T * f
+    assert terms["moe_expert_silu_output"] == terms["moe_expert_act_output"] == 2 * k * T * f
+    assert "mlp_fc_output" not in terms and "mlp_gate_up_output" not in terms
+    # balanced routing: each rank receives k*T token copies whatever ep is
+    assert layer_bytes(make(m, "torch", seq=T, gpus=2, ep=2)) == layer_bytes(r)
+
+
+def test_loss_terms_llama3_vocab():
+    """DESIGN sec. 4: the fp32 logits of s = 4096, V = 128k, b = 1 are about 2 GiB."""
+    T, V = 4096, 128256
+    n = T * V
+    r = make(llama3_8b(), "torch", seq=T)
+    assert last_stage_terms(r)["loss_logits_fp32"] == 4 * n == 2_101_346_304  # 1.96 GiB
+    # torch: bf16 logits + fp32 upcast at the loss; nll and log_softmax gradients (2 x fp32) in backward
+    assert loss_transients(r) == (2 * n + 4 * n, 8 * n)
+    # Megatron: upcast in place into the saved softmax, gradient in place, then its bf16 cast
+    # (128256 = 1002 * 128: no padding at t = 1)
+    assert loss_transients(make(llama3_8b(), "megatron", seq=T)) == (2 * n, 2 * n)
+    rc = make(llama3_8b(), "torch", seq=T, loss="chunked")
+    n32 = (T // LOSS_CHUNKS) * V
+    assert last_stage_terms(rc)["loss_logits_fp32"] == 4 * n32
+    assert loss_transients(rc) == (2 * n + 4 * n32, 2 * n + 8 * n32)
+
+
+def test_embedding_terms_with_dropout_and_sp():
+    T, h, t = 2048, 6144, 8
+    r = make(gpt(h, 64), "megatron", seq=T, tp=t, gpus=t)
+    assert first_stage_terms(r) == {"embedding_input_ids": 8 * T, "embedding_dropout_mask": T * h // t}
+
+
+def test_context_parallel_divides_the_sequence_and_adds_ring_buffers():
+    T, cp, g, d = 8192, 4, 8, 128
+    m = llama3_8b(layers=4)
+    r1 = make(m, "megatron", seq=T, gpus=cp, dp=cp)
+    r4 = make(m, "megatron", seq=T, cp=cp, gpus=cp)
+    assert layer_bytes(r4) * cp == layer_bytes(r1)  # every term is per token, flash: nothing s x s
+    a4 = stage_activations(r4, 0)
+    kv_local = 2 * 2 * (T // cp) * g * d  # K and V of the local sequence chunk, bf16
+    assert a4.detail["cp_ring_kv_transient"] == 4 * kv_local  # K/V and dK/dV blocks in flight in backward
+    assert stage_activations(r1, 0).detail["cp_ring_kv_transient"] == 0
+
+
+def test_recompute_layers_and_transients():
+    L, T, h = 8, 2048, 4096
+    m = llama3_8b(layers=L)
+    plain = layer_bytes(make(m, "megatron", seq=T))
+    r = make(m, "megatron", seq=T, recompute="full", recompute_layers=3)
+    sa = stage_activations(r, 0)
+    ckpt = 2 * T * h
+    assert layer_bytes(r, "full") == ckpt
+    layers_part = 3 * ckpt + 5 * plain
+    assert sa.held_bytes - layers_part == sum(first_stage_terms(r).values()) + sum(last_stage_terms(r).values()) \
+        + 2 * 2 * T * 128  # rotary cos/sin
+    assert sa.detail["recompute_transient"] == plain - ckpt  # one layer re-materialised besides its input
+    # selective with flash: only the log-sum-exp is dropped; recomputing brings back the output and the LSE
+    rs = make(m, "megatron", seq=T, recompute="selective")
+    assert layer_bytes(rs, "selective") == plain - 4 * T * 32
+    assert recompute_transient_bytes(rs) == 4 * T * 32 + 2 * T * h
+
+
+def test_pipeline_micro_batches_in_flight():
+    m = llama3_8b(layers=24)
+
+    def flights(pp, ga, schedule=None, vpp=1):
+        r = make(m, "megatron", seq=1024, pp=pp, gpus=pp, grad_accum=ga, vpp=vpp, schedule=schedule)
+        return [int(in_flight(r, i)) for i in range(pp)]
+
+    assert flights(4, 8) == [4, 3, 2, 1]  # 1F1B: min(m, pp - i)
+    assert flights(4, 2) == [2, 2, 2, 1]
+    assert flights(4, 8, "gpipe") == [8, 8, 8, 8]
+    # interleaved: 2(pp-i-1) + (vpp-1)pp + 1 chunks; stage 0: 11 chunks of 3 layers = 24 * (1 + 3/8)
+    assert flights(4, 8, "interleaved", 2) == [11, 9, 7, 5]
+    assert flights(4, 4, "interleaved", 2) == [8, 8, 8, 8]  # m == pp: all forwards first (Megatron)
+    assert flights(1, 8) == [1]  # gradient accumulation without a pipeline: one micro-batch at a time
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Array form (planner): elementwise equal to the scalar results
+# ---------------------------------------------------------------------------------------------------------------
+
+ARRAY_FIELDS = ("gpus", "dp", "tp", "pp", "vpp", "cp", "ep", "micro_batch", "grad_accum", "global_batch")
+
+
+def _as_arrays(runs, stages):
+    base = runs[0]
+    arrays = {f: np.array([getattr(r, f) for r in runs], dtype=np.int64) for f in ARRAY_FIELDS}
+    return base.replace(**arrays), np.array(stages, dtype=np.int64)
+
+
+def _layouts(schedule):
+    """(tp, pp, vpp, cp, micro_batch, grad_accum, stage) valid for a 24-layer model."""
+    out = []
+    for tp in (1, 2, 4):
+        for pp in (1, 2, 3, 4):
+            for cp in (1, 2):
+                for mb, ga in ((1, 1), (2, 3), (1, 8)):
+                    vpp = 2 if schedule == "interleaved" else 1
+                    if schedule == "interleaved" and pp == 1:
+                        continue
+                    for stage in sorted({0, pp // 2, pp - 1}):
+                        out.append((tp, pp, vpp, cp, mb, ga, stage))
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "gpipe"])
+@pytest.mark.parametrize("profile,model,recompute,attention", [
+    ("megatron", "llama", "selective", "flash"),
+    ("torch", "llama", "full", "eager"),
+    ("torch", "gpt", "none", "eager"),
+    ("deepspeed", "moe", "full", "flash"),
+])
+def test_array_form_equals_scalar(schedule, profile, model, recompute, attention):
+    m = {"llama": llama3_8b(layers=24, vocab=32000), "gpt": gpt(1024, 16, 24),
+         "moe": llama3_8b(layers=24, vocab=32000, moe=MoESpec(experts=8, top_k=2, expert_ffn=1024))}[model]
+    runs, stages = [], []
+    for tp, pp, vpp, cp, mb, ga, stage in _layouts(schedule):
+        r = make(m, profile, seq=2048, tp=tp, pp=pp, vpp=vpp, cp=cp, micro_batch=mb, grad_accum=ga, gpus=tp * pp * cp,
+                 schedule=schedule, recompute=recompute, recompute_layers=2 if recompute == "full" else None,
+                 attention=attention, sp=True)
+        runs.append(r.replace(sp=True))  # SP is categorical: one value for the whole array
+        stages.append(stage)
+    arr_run, arr_stage = _as_arrays(runs, stages)
+    got = stage_activations(arr_run, arr_stage)
+    for i, (r, s) in enumerate(zip(runs, stages)):
+        want = stage_activations(r, s)
+        for f in ("held_bytes", "forward_bytes", "backward_first_bytes", "backward_later_bytes", "in_flight"):
+            assert int(np.broadcast_to(getattr(got, f), arr_stage.shape)[i]) == int(getattr(want, f)), (f, i)
+        assert set(got.detail) == set(want.detail)
+        for k, v in want.detail.items():
+            assert int(np.broadcast_to(got.detail[k], arr_stage.shape)[i]) == int(v), (k, i)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Invariants (hypothesis)
+# ---------------------------------------------------------------------------------------------------------------
+
+MODELS = st.sampled_from(["gpt", "llama", "moe"])
+PROFILES = st.sampled_from(["torch", "megatron", "deepspeed"])
+
+
+def _model(kind: str, layers: int = 8) -> ModelSpec:
+    if kind == "gpt":
+        return gpt(1024, 16, layers, vocab=50257)
+    if kind == "llama":
+        return llama3_8b(layers=layers, hidden=2048, heads=16, kv_heads=8, ffn=5632, vocab=32000)
+    return llama3_8b(layers=layers, hidden=2048, heads=16, kv_heads=8, ffn=5632, vocab=32000,
+                     moe=MoESpec(experts=8, top_k=2, expert_ffn=1408))
+
+
+def _peaks(r, stage=0):
+    sa = stage_activations(r, stage)
+    return (sa.held_bytes, sa.forward_bytes, max(sa.backward_first_bytes, sa.backward_later_bytes))
+
+
+common = dict(
+    kind=MODELS, profile=PROFILES, attention=st.sampled_from(["flash", "eager"]),
+    loss=st.sampled_from(["full", "chunked"]), seq=st.sampled_from([512, 2048]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(**common, tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 4]), ga=st.sampled_from([1, 3, 8]),
+       mb=st.sampled_from([1, 2]))
+def test_more_recompute_never_raises_activations(kind, profile, attention, loss, seq, tp, pp, ga, mb):
+    prev = None
+    for rec in ("none", "selective", "full"):
+        r = make(_model(kind), profile, seq=seq, tp=tp, pp=pp, gpus=tp * pp, grad_accum=ga, micro_batch=mb,
+                 recompute=rec, attention=attention, loss=loss)
+        cur = [_peaks(r, s) for s in range(pp)]
+        if prev is not None:
+            for p_s, c_s in zip(prev, cur):
+                assert all(c <= p for c, p in zip(c_s, p_s)), (rec, c_s, p_s)
+        prev = cur
+
+
+@settings(max_examples=60, deadline=None)
+@given(**common, recompute=st.sampled_from(["none", "selective", "full"]))
+def test_more_tp_with_sp_never_raises_activations(kind, profile, attention, loss, seq, recompute):
+    prev = None
+    for tp in (1, 2, 4, 8):
+        r = make(_model(kind), profile, seq=seq, tp=tp, gpus=tp, sp=True, recompute=recompute, attention=attention,
+                 loss=loss)
+        cur = _peaks(r)
+        if prev is not None:
+            assert all(c <= p for c, p in zip(cur, prev)), (tp, cur, prev)
+        prev = cur
+
+
+@settings(max_examples=60, deadline=None)
+@given(**common, recompute=st.sampled_from(["none", "selective", "full"]), tp=st.sampled_from([1, 2]))
+def test_more_cp_never_raises_activations(kind, profile, attention, loss, seq, recompute, tp):
+    prev = None
+    for cp in (1, 2, 4, 8):
+        r = make(_model(kind), profile, seq=seq, tp=tp, cp=cp, gpus=tp * cp, recompute=recompute,
+                 attention=attention, loss=loss)
+        cur = _peaks(r)
+        if prev is not None:
+            assert all(c <= p for c, p in zip(cur, prev)), (cp, cur, prev)
+        prev = cur
+
+
+@settings(max_examples=60, deadline=None)
+@given(**common, recompute=st.sampled_from(["none", "selective", "full"]), pp=st.sampled_from([1, 2, 4]),
+       ga=st.sampled_from([1, 4, 8]))
+def test_smaller_micro_batch_never_raises_activations(kind, profile, attention, loss, seq, recompute, pp, ga):
+    prev = None
+    for mb in (8, 4, 2, 1):
+        r = make(_model(kind), profile, seq=seq, pp=pp, gpus=pp, micro_batch=mb, grad_accum=ga,
+                 recompute=recompute, attention=attention, loss=loss)
+        cur = [_peaks(r, s) for s in range(pp)]
+        if prev is not None:
+            for p_s, c_s in zip(prev, cur):
+                assert all(c <= p for c, p in zip(c_s, p_s)), (mb, c_s, p_s)
+        prev = cur
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=MODELS, profile=PROFILES, schedule=st.sampled_from(["1f1b", "interleaved", "gpipe"]),
+       pp=st.sampled_from([2, 3, 4]), ga=st.sampled_from([1, 2, 4, 8, 16]),
+       recompute=st.sampled_from(["none", "selective", "full"]))
+def test_first_stage_holds_the_most(kind, profile, schedule, pp, ga, recompute):
+    """Earlier stages hold at least as many in-flight layer activations as later ones, and the first stage holds
+    at least as much as any stage but the last (whose loss terms are its own): Korthikanti sec. 4.2.3, the first
+    stage is the worst for the layers."""
+    assume(not (schedule == "interleaved" and 24 % (pp * 2)))
+    m = _model(kind, 25)  # 25 layers: uneven stages (the remainder goes to the first stages)
+    if schedule == "interleaved":
+        m = _model(kind, 24)
+    r = make(m, profile, seq=1024, pp=pp, gpus=pp, grad_accum=ga, recompute=recompute,
+             schedule=schedule, vpp=2 if schedule == "interleaved" else 1)
+    layer_keys = set(layer_terms(r)) | set(layer_terms(r, recompute))
+    acts = [stage_activations(r, s) for s in range(pp)]
+    layers = [sum(v for k, v in a.detail.items() if k in layer_keys) for a in acts]
+    assert layers == sorted(layers, reverse=True), layers
+    for a in acts[1:-1]:
+        assert acts[0].held_bytes >= a.held_bytes
+        assert acts[0].forward_bytes >= a.forward_bytes
