@@ -1,7 +1,8 @@
 """Activation memory: what autograd saves for backward, op by op, for the profile's layer. DESIGN section 4.
 
 Every term is bytes for one layer and one micro-batch on one rank, after tensor (TP), sequence (SP) and context
-(CP) parallel division. The derivation of each term, with its source, is in docs/methodology.md.
+(CP) parallel division. Each term's source is in docs/methodology.md; derivations in
+docs/methodology-activations.md.
 
 Reference derivation: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
 (arXiv:2205.05198), sec. 4.1 (GPT layer: `sbh(34 + 5as/h)`), 4.2 (TP eq. 2, TP+SP eq. 4), 4.2.3 (pipeline) and
@@ -334,12 +335,15 @@ def recompute_transient_bytes(run: Run) -> Num:
     mode = run.training.recompute
     if mode == "none":
         return 0
-    terms = layer_terms(run, "none")
+    return _remat_net(mode, layer_terms(run, "none"), layer_bytes(run, mode))
+
+
+def _remat_net(mode: str, terms: dict[str, Num], kept: Num) -> Num:
     plain = 0
     for v in terms.values():
         plain = plain + v
     if mode == "full":
-        return plain - layer_bytes(run, "full")
+        return plain - kept
     core = 0
     before = 0
     for k in _UP_TO_CORE:
@@ -406,7 +410,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         plain_bytes = 0
         for v in plain.values():
             plain_bytes = plain_bytes + v
-        remat = where(ck > 0, recompute_transient_bytes(run) - plain_layers * plain_bytes, 0)
+        remat = where(ck > 0, _remat_net(mode, plain, kept_bytes) - plain_layers * plain_bytes, 0)
 
     first = stage == 0
     last = stage == pp - 1

@@ -1,0 +1,172 @@
+"""The phase timeline (memcalc/cost/timeline.py): which categories are live at the end of forward, at the highest
+moment of backward and at the optimizer step; buffers placed in their phases; array form; speed."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from memcalc.cost import timeline
+from memcalc.cost.activations import loss_transients, stage_activations
+from memcalc.cost.buffers import Buffer
+from memcalc.cost.states import model_states
+from memcalc.cost.timeline import CATEGORIES, stage_memory
+from memcalc.specs import HardwareSpec, ModelSpec, ParallelSpec, TrainingSpec, resolve
+
+GIB = 2**30
+HW = HardwareSpec(memory_bytes=80 * GIB)
+TRAINING_FIELDS = set(TrainingSpec.model_fields)
+
+
+def make(model: ModelSpec, profile: str = "torch", **kw):
+    tr = {k: v for k, v in kw.items() if k in TRAINING_FIELDS}
+    par = {k: v for k, v in kw.items() if k not in TRAINING_FIELDS}
+    return resolve(model, TrainingSpec(**tr), ParallelSpec(**par), HW, profile=profile)
+
+
+def llama(layers: int = 4, **kw) -> ModelSpec:
+    base = dict(hidden=2048, heads=16, kv_heads=8, layers=layers, ffn=5632, vocab=32000, mlp="swiglu",
+                norm="rmsnorm", positions="rotary")
+    base.update(kw)
+    return ModelSpec(**base)
+
+
+@pytest.fixture
+def no_buffers(monkeypatch):
+    """Isolate the timeline from the buffer model (tested in tests/test_buffers.py)."""
+    monkeypatch.setattr(timeline, "stage_buffers", lambda run, stage=0: {})
+
+
+def live(sm, name):
+    return next(ph for ph in sm.phases if ph.name == name).live
+
+
+def test_contract_phases_and_categories():
+    sm = stage_memory(make(llama()), 0)
+    assert [ph.name for ph in sm.phases] == ["forward", "backward", "optimizer"]
+    for ph in sm.phases:
+        assert tuple(ph.live) == CATEGORIES
+        assert ph.total == sum(ph.live.values())
+    assert sm.allocated_peak == max(ph.total for ph in sm.phases)
+    assert "activations" not in sm.not_modelled
+    assert sm.activations_detail  # every named term
+    assert sm.activations_detail["q"] > 0
+
+
+def test_torch_single_micro_batch(no_buffers):
+    """torch (set_to_none): no grads in forward; backward = max(start: activations + logits grad, no grads;
+    end: all grads, activations freed); optimizer: grads, no activations."""
+    r = make(llama(), "torch", seq=2048)
+    sm, sa, st = stage_memory(r, 0), stage_activations(r, 0), model_states(r, 0)
+    grads = st.grads + st.grads_fp32
+    fwd, bwd, opt = live(sm, "forward"), live(sm, "backward"), live(sm, "optimizer")
+    assert fwd["grads"] == 0
+    assert fwd["activations"] == sa.held_bytes + loss_transients(r)[0]  # logits + fp32 upcast at the loss
+    start = sa.held_bytes + loss_transients(r)[1]  # + nll and log_softmax gradients (fp32)
+    assert sa.backward_first_bytes == start
+    assert sa.backward_later_bytes == 0  # one micro-batch: its end, every activation freed
+    if start >= grads:
+        assert (bwd["activations"], bwd["grads"]) == (start, 0)
+    else:
+        assert (bwd["activations"], bwd["grads"]) == (0, grads)
+    assert opt["activations"] == 0 and opt["grads"] == grads
+    for ph in (fwd, bwd, opt):
+        assert (ph["params"], ph["optimizer"]) == (st.params, st.optimizer)
+
+
+def test_torch_accumulation_later_backward_has_grads_and_activations(no_buffers):
+    """With m > 1 micro-batches the second backward starts with a full set of activations (its micro-batch) and
+    every gradient already allocated by the first: hand-computed as held + logits grad + grads."""
+    r = make(llama(), "torch", seq=2048, grad_accum=4)
+    sm, sa, st = stage_memory(r, 0), stage_activations(r, 0), model_states(r, 0)
+    grads = st.grads + st.grads_fp32
+    start = sa.held_bytes + loss_transients(r)[1]
+    assert sa.backward_later_bytes == start  # pp = 1: one micro-batch in flight each time
+    bwd = live(sm, "backward")
+    assert (bwd["activations"], bwd["grads"]) == (start, grads)
+    assert sm.allocated_peak == live(sm, "backward")["params"] + st.optimizer + st.master_weights + start + grads
+
+
+def test_persistent_grads_megatron(no_buffers):
+    r = make(llama(), "megatron", seq=2048, grad_accum=1)
+    sm, sa, st = stage_memory(r, 0), stage_activations(r, 0), model_states(r, 0)
+    grads = st.grads + st.grads_fp32
+    assert st.grads_persistent
+    assert live(sm, "forward")["grads"] == grads  # contiguous main-grad buffer kept between steps
+    assert live(sm, "backward") == {**live(sm, "forward"), "activations": sa.backward_first_bytes}
+    assert live(sm, "optimizer")["activations"] == 0
+
+
+def test_pipeline_stages_1f1b(no_buffers):
+    """Stage i holds min(m, pp - i) micro-batches; the last stage adds the loss."""
+    r = make(llama(layers=8), "megatron", seq=1024, pp=4, gpus=4, grad_accum=8)
+    per_stage = [stage_memory(r, s) for s in range(4)]
+    acts = [live(sm, "forward")["activations"] for sm in per_stage]
+    assert acts[0] > acts[1] > acts[2]
+    sa0 = stage_activations(r, 0)
+    assert int(sa0.in_flight) == 4
+
+
+def test_full_recompute_backward_holds_one_rematerialised_layer(no_buffers):
+    """Every layer checkpointed, 1 micro-batch, not the last stage: backward peak = the checkpointed inputs + one
+    layer re-materialised (its own input already counted)."""
+    r = make(llama(layers=8), "megatron", seq=1024, pp=2, gpus=2, recompute="full")
+    sa = stage_activations(r, 0)
+    assert sa.backward_first_bytes - sa.held_bytes == sa.detail["recompute_transient"] > 0
+    assert live(stage_memory(r, 0), "backward")["activations"] == sa.backward_first_bytes
+
+
+def test_buffers_go_to_the_phases_they_name(monkeypatch):
+    bufs = {
+        "bucket": Buffer(1000, frozenset({"forward", "backward"})),
+        "foreach": Buffer(7, frozenset({"optimizer"})),
+        "everywhere": Buffer(30, frozenset({"forward", "backward", "optimizer"})),
+    }
+    monkeypatch.setattr(timeline, "stage_buffers", lambda run, stage=0: bufs)
+    sm = stage_memory(make(llama()), 0)
+    assert [live(sm, p)["buffers"] for p in ("forward", "backward", "optimizer")] == [1030, 1030, 37]
+    assert sm.buffers_detail == {"bucket": 1000, "foreach": 7, "everywhere": 30}
+
+
+FIELDS = ("gpus", "dp", "tp", "pp", "vpp", "cp", "ep", "micro_batch", "grad_accum", "global_batch")
+
+
+@pytest.mark.parametrize("profile", ["torch", "megatron", "deepspeed"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_array_form_equals_scalar(profile, recompute):
+    m = llama(layers=12)
+    runs, stages = [], []
+    for tp in (1, 2):
+        for pp in (1, 2, 3):
+            for cp in (1, 2):
+                for mb, ga in ((1, 1), (2, 4)):
+                    for zero in (1,):
+                        r = make(m, profile, seq=1024, tp=tp, pp=pp, cp=cp, gpus=2 * tp * pp * cp, micro_batch=mb,
+                                 grad_accum=ga, recompute=recompute, zero=zero, sp=False)
+                        for s in sorted({0, pp - 1}):
+                            runs.append(r)
+                            stages.append(s)
+    arr = runs[0].replace(**{f: np.array([getattr(r, f) for r in runs], dtype=np.int64) for f in FIELDS})
+    stage = np.array(stages, dtype=np.int64)
+    got = stage_memory(arr, stage)
+    peak = np.broadcast_to(got.allocated_peak, stage.shape)
+    for i, (r, s) in enumerate(zip(runs, stages)):
+        want = stage_memory(r, s)
+        assert int(peak[i]) == int(want.allocated_peak), i
+        for gph, wph in zip(got.phases, want.phases):
+            for k in CATEGORIES:
+                assert int(np.broadcast_to(gph.live[k], stage.shape)[i]) == int(wph.live[k]), (wph.name, k, i)
+
+
+def test_scalar_stage_memory_is_fast():
+    """The planner calls the cost model in bulk, the estimate per stage: tens of microseconds per call."""
+    r = make(llama(layers=32), "megatron", seq=4096, tp=2, pp=4, gpus=8, grad_accum=8, recompute="selective")
+    stage_memory(r, 1)
+    n = 300
+    t0 = time.perf_counter()
+    for _ in range(n):
+        stage_memory(r, 1)
+    per_call = (time.perf_counter() - t0) / n
+    assert per_call < 300e-6, per_call  # about 40 us on a laptop core; generous for loaded CI machines
