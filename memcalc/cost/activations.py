@@ -2,7 +2,7 @@
 
 Every term is bytes for one layer and one micro-batch on one rank, after tensor (TP), sequence (SP) and context
 (CP) parallel division. Each term's source is in docs/methodology.md; derivations in
-docs/methodology-activations.md.
+docs/methodology.md.
 
 Reference derivation: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
 (arXiv:2205.05198), sec. 4.1 (GPT layer: `sbh(34 + 5as/h)`), 4.2 (TP eq. 2, TP+SP eq. 4), 4.2.3 (pipeline) and
