@@ -150,15 +150,17 @@ def _render_comm_compute(est: Estimate, con: Console, units: str) -> None:
     if comm.modelled and comm.collectives:
         t = Table(box=None, header_style="bold", pad_edge=False, title=None)
         for col, just in (("collective", "left"), ("group", "left"), ("per call", "right"),
-                          ("calls/step", "right"), (f"sent/GPU/step ({units})", "right"), ("time/step", "right"),
-                          ("link", "left")):
-            t.add_column(col, justify=just)
+                          ("calls", "right"), (f"sent {units}", "right"), ("ms", "right"), ("link", "left")):
+            t.add_column(col, justify=just, no_wrap=True)
         for c in comm.collectives:
+            link = ("intra" if c.link == "intra-node" else "inter") + (", overlap" if c.overlapped else "")
             t.add_row(c.op, f"{c.group}×{c.group_size}", format_bytes(c.bytes_per_call, units),
-                      str(c.calls_per_step), _num(c.bytes_per_step, units), f"{c.seconds_per_step * 1e3:,.1f} ms",
-                      c.link + (" (overlapped)" if c.overlapped else ""))
+                      f"{c.calls_per_step:,}", _num(c.bytes_per_step, units), f"{c.seconds_per_step * 1e3:,.1f}",
+                      link)
         con.print()
         con.print(t)
+        con.print(Text("per step, worst rank: calls, bytes this GPU sends (ring factors) and time; link intra- or "
+                       "inter-node", style="dim"))
         con.print(Text(f"communication: {format_bytes(comm.bytes_per_step, units)} sent per GPU per step, "
                        f"{comm.seconds_per_step * 1e3:,.1f} ms on the wire, "
                        f"{comm.exposed_seconds_per_step * 1e3:,.1f} ms exposed", style="dim"))
