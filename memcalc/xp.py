@@ -13,8 +13,15 @@ from typing import Any
 Num = Any  # int | numpy.ndarray
 
 
+_SCALAR_TYPES = frozenset((int, float, bool))
+
+
 def _is_scalar(*xs: Any) -> bool:
-    return all(isinstance(x, (int, float)) for x in xs)
+    # exact type test: the hot path of every cost function (numpy scalars take the numpy route)
+    for x in xs:
+        if type(x) not in _SCALAR_TYPES:
+            return False
+    return True
 
 
 def cdiv(a: Num, b: Num) -> Num:
@@ -23,7 +30,7 @@ def cdiv(a: Num, b: Num) -> Num:
 
 
 def imin(a: Num, b: Num) -> Num:
-    if _is_scalar(a, b):
+    if type(a) in _SCALAR_TYPES and type(b) in _SCALAR_TYPES:
         return a if a <= b else b
     import numpy as np
 
@@ -31,7 +38,7 @@ def imin(a: Num, b: Num) -> Num:
 
 
 def imax(a: Num, b: Num) -> Num:
-    if _is_scalar(a, b):
+    if type(a) in _SCALAR_TYPES and type(b) in _SCALAR_TYPES:
         return a if a >= b else b
     import numpy as np
 

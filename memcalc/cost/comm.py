@@ -507,7 +507,10 @@ def _totals(run: Run, terms: list[_Term]) -> tuple[Num, Num]:
 
 
 def _candidate_stages(run: Run) -> list[Num]:
-    return [0 * run.pp, imin(1, run.pp - 1), run.pp - 1]
+    cands = [0 * run.pp, imin(1, run.pp - 1), run.pp - 1]
+    if type(run.pp) is int:  # scalar run: evaluate each distinct stage once (order kept for tie-breaking)
+        return list(dict.fromkeys(cands))
+    return cands
 
 
 def worst_stage(run: Run) -> tuple[Num, Num, Num]:

@@ -20,6 +20,7 @@ the module so the LM head owns a separate weight).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from memcalc.specs import ModelSpec, Run
@@ -98,8 +99,9 @@ def total_params(m: ModelSpec) -> int:
     return shape_params(m)
 
 
+@functools.lru_cache(maxsize=256)
 def shape_params(m: ModelSpec) -> int:
-    """Exact count of the architecture itself, ignoring `params_override`."""
+    """Exact count of the architecture itself, ignoring `params_override` (cached: ModelSpec is frozen)."""
     dense, expert = layer_params(m)
     emb = embedding_params(m)
     head = 0 if m.tied_embeddings else head_params(m)

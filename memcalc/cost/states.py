@@ -157,11 +157,15 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
     def param_shard(x_dense: Num, x_expert: Num) -> Num:
         """ZeRO-2/3 shard of the parameters and grads. torch (FSDP2) shards tensor by tensor, padding dim 0
         (params.fsdp_shard_elems); a flat buffer (DeepSpeed, Megatron) pads once."""
-        if run.profile == "torch" and not finetune and m.moe is None:  # categorical tests only (array-safe)
-            from memcalc.cost.params import fsdp_shard_elems
-
-            return fsdp_shard_elems(run, stage, d)
+        if fsdp_shard is not None:
+            return fsdp_shard
         return shard(x_dense, x_expert)
+
+    fsdp_shard = None
+    if run.zero >= 2 and run.profile == "torch" and not finetune and m.moe is None:  # categorical tests only
+        from memcalc.cost.params import fsdp_shard_elems
+
+        fsdp_shard = fsdp_shard_elems(run, stage, d)
 
     z = run.zero
     pb, gb = DTYPE_BYTES[r.param_dtype], DTYPE_BYTES[r.grad_dtype]
