@@ -1,0 +1,216 @@
+"""Published single-GPU fine-tuning memory figures against `memcalc.cost.estimate.estimate` (issue 7).
+
+Every case, its source, its exact configuration and the unit conversion are recorded in
+docs/published-finetune.md. Errors are (memcalc - published) / published.
+
+Tolerances:
+- MEASURED (3%, the issue's bar): figures read from a CUDA allocator counter on a real run
+  (lit-gpt: torch.cuda.max_memory_allocated() / 1e9; torchtune: max_memory_reserved() / 1e9 or
+  the "active_bytes.all.peak" counter in GiB). A measured case that misses is xfail(strict=True) with the error
+  measured when this file was written and the suspected missing term; the tolerance is never widened.
+- ROUNDING (0.01 GB absolute): differences of two published figures that are printed to 0.01 GB; the
+  published difference itself is only known to +-0.01 GB.
+- ESTIMATE (25%): LLaMA-Factory's "Hardware Requirement" table is marked *estimated* in its README, gives no
+  sequence length or batch, and is a rule of thumb (2 bytes per parameter for LoRA, 0.5 for 4-bit QLoRA).
+
+What is compared:
+- lit-gpt resource tables ("Max GPU RAM", max_memory_allocated in GB = 1e9 bytes) -> memcalc's allocated peak.
+- torchtune LoRA / QLoRA tutorials ("Peak memory reserved", GB = 1e9 bytes; torchtune's get_memory_stats divided
+  by 1e9 at the time) -> allocated peak + memcalc's fragmentation (reserved - allocated); no CUDA context, which
+  torch's reserved counter does not see.
+- torchtune README "Optimization flags" table ("Peak Memory Active (GiB)") -> allocated peak.
+- LLaMA-Factory (estimate, nvidia-smi style) -> memcalc's peak_bytes (allocated + fragmentation + runtime).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from memcalc.cost.estimate import estimate
+from tests.conftest import run_of
+
+GB = 10**9
+GIB = 2**30
+MEASURED = 0.03
+ESTIMATE = 0.25
+ROUNDING_GB = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    published: float  # in `unit`, as published
+    unit: str  # "GB" (1e9 bytes) or "GiB" (2**30 bytes)
+    figure: str  # "allocated" | "reserved" | "peak"
+    options: dict
+    tolerance: float = MEASURED
+    xfail: str | None = None  # reason, with the error measured when written
+
+
+def memcalc_bytes(figure: str, **options) -> int:
+    mem = estimate(run_of(**options)).memory
+    if figure == "allocated":
+        return mem.allocated_peak_bytes
+    if figure == "reserved":
+        return mem.allocated_peak_bytes + mem.components["fragmentation"]
+    if figure == "peak":
+        return mem.peak_bytes
+    raise ValueError(figure)
+
+
+def memcalc_value(case: Case) -> float:
+    return memcalc_bytes(case.figure, **case.options) / (GB if case.unit == "GB" else GIB)
+
+
+def rel_error(case: Case) -> float:
+    return (memcalc_value(case) - case.published) / case.published
+
+
+# --- lit-gpt tutorials/resource-tables.md (commit 8641822, A100-SXM4-40GB, torch 2.1.0, bitsandbytes 0.41.1) ----
+# finetune/lora.py: --precision bf16-true (weights, LoRA adapters and AdamW moments all bf16), torch.optim.AdamW,
+# LoRA r=8 alpha=16 dropout=0.05 on query and value only, no activation checkpointing, SDPA (is_causal),
+# lm_head_chunk_size=128 + chunked cross-entropy; the longest Alpaca sample (1304 Llama-2 tokens) is forced into the
+# first micro-batch and every micro-batch is padded to its longest sample. memcalc's --lora-targets attn is
+# q,k,v,o (it has no q,v-only choice): 4.2M more adapter parameters, ~34 MB of bf16 param+grad+moments.
+LIT = dict(precision="bf16", master_weights=False, optimizer="adamw", lora_rank=8, lora_targets="attn",
+           gpu="a100-40gb", seq=1304, loss="chunked", recompute="none")
+BNB_INPUTS = ("bitsandbytes MatMul4Bit saves its input A whenever A requires grad (ctx.tensors = (A, B)), so "
+              "every quantized frozen linear keeps its input (o-proj input, MLP input, down-proj input) that a "
+              "frozen bf16 nn.Linear does not; memcalc's frozen-linear rule drops them")
+LIT_ACT = ("activations: measured 7.77 GB per 1304-token sequence (mb2 - mb1) = ~45 h bytes per token per layer, "
+           "memcalc ~30 h; candidates: LoRA dropout on the qkv input (bf16 output + bool mask, 3 h), lit-gpt's "
+           "separate q/k/v reshape copies and rope temporaries; not attributed term by term")
+LITGPT = [
+    Case("litgpt-llama2-7b-lora-mb1", 21.30, "GB", "allocated", dict(model="llama-2-7b", micro_batch=1, **LIT),
+         xfail="-11.2% when written; " + LIT_ACT),
+    Case("litgpt-llama2-7b-lora-mb2", 29.07, "GB", "allocated", dict(model="llama-2-7b", micro_batch=2, **LIT),
+         xfail="-16.6% when written; " + LIT_ACT),
+    Case("litgpt-llama2-7b-qlora-nf4", 14.14, "GB", "allocated",
+         dict(model="llama-2-7b", base_dtype="nf4", double_quant=False, **LIT),
+         xfail="-32.0% when written; " + BNB_INPUTS + "; plus " + LIT_ACT),
+    Case("litgpt-llama2-7b-qlora-nf4-dq", 13.84, "GB", "allocated",
+         dict(model="llama-2-7b", base_dtype="nf4", **LIT),
+         xfail="-32.7% when written; " + BNB_INPUTS + "; plus " + LIT_ACT),
+    Case("litgpt-llama2-13b-lora-mb1", 38.12, "GB", "allocated", dict(model="llama-2-13b", **LIT),
+         xfail="-9.7% when written; " + LIT_ACT),
+    Case("litgpt-llama2-13b-qlora-nf4", 23.14, "GB", "allocated",
+         dict(model="llama-2-13b", base_dtype="nf4", double_quant=False, **LIT),
+         xfail="-30.0% when written; " + BNB_INPUTS + "; plus " + LIT_ACT),
+    Case("litgpt-llama2-13b-qlora-nf4-dq", 22.55, "GB", "allocated",
+         dict(model="llama-2-13b", base_dtype="nf4", **LIT),
+         xfail="-30.8% when written; " + BNB_INPUTS + "; plus " + LIT_ACT),
+]
+
+# --- torchtune docs/source/tutorials/lora_finetune.rst and qlora_finetune.rst (Llama2-7B, single device) --------
+# llama2/7B_lora_single_device: batch_size 2, dtype bf16 (pure: adapters and AdamW moments bf16), torch.optim.AdamW,
+# enable_activation_checkpointing True, alpaca_cleaned_dataset (max_seq_len 512 at the time; batches padded to the
+# longest sample, so the peak batch is 2 x 512), torch.nn.CrossEntropyLoss on the model's fp32 logits.
+TT7 = dict(model="llama-2-7b", precision="bf16", master_weights=False, optimizer="adamw", gpu="a100-80gb",
+           seq=512, micro_batch=2, recompute="full", loss="full")
+TT_RESERVED = ("reserved pool: the figure is max_memory_reserved over the whole run; model init alone reserved "
+               "13.98 GB (allocated peak 13.96 GB, 0.48 GB above the 13.48 GB of bf16 weights: a load-time "
+               "transient) and torchtune never empties the cache, so load-time blocks stay reserved; memcalc "
+               "models steady-state training only")
+TORCHTUNE_TUTORIAL = [
+    Case("torchtune-llama2-7b-lora-qv-r8", 15.57, "GB", "reserved", dict(lora_rank=8, lora_targets="attn", **TT7),
+         xfail="-5.5% when written; " + TT_RESERVED),
+    Case("torchtune-llama2-7b-lora-all-r8", 15.87, "GB", "reserved", dict(lora_rank=8, lora_targets="all", **TT7),
+         xfail="-6.8% when written; " + TT_RESERVED),
+    Case("torchtune-llama2-7b-lora-qv-r64", 15.86, "GB", "reserved",
+         dict(lora_rank=64, lora_targets="attn", **TT7),
+         xfail="-4.9% when written; " + TT_RESERVED),
+    Case("torchtune-llama2-7b-lora-all-r64", 17.04, "GB", "reserved",
+         dict(lora_rank=64, lora_targets="all", **TT7),
+         xfail="-8.1% when written; " + TT_RESERVED),
+    Case("torchtune-llama2-7b-qlora", 9.29, "GB", "reserved",
+         dict(lora_rank=8, lora_targets="all", base_dtype="nf4", **TT7),
+         xfail="-47.5% when written; the training figure (9.29 GB) is barely above the reserved pool after model "
+               "init (9.13 GB): torchtune loaded the bf16 weights on the GPU and converted them to NF4, and the "
+               "cached blocks stay reserved; memcalc has no load-time term (its allocated peak is 4.4 GiB)"),
+]
+
+# --- torchtune README "Optimization flags" (Llama 3.2 3B, batch 2, packed to 4096 tokens, bf16, one A100) --------
+# Peak Memory Active (GiB) = torch.cuda.memory_stats()["active_bytes.all.peak"]; rows are cumulative.
+TT3 = dict(model="llama-3.2-3b", precision="bf16", master_weights=False, optimizer="adamw", gpu="a100-80gb",
+           seq=4096, micro_batch=2)
+TORCHTUNE_README = [
+    Case("torchtune-llama3.2-3b-full-packed", 60.0, "GiB", "allocated", dict(recompute="none", loss="full", **TT3),
+         xfail="-12.3% when written; eager, no AC: memcalc 52.6 GiB (states 17.95 + activations 34.6). Packed "
+               "batches carry a document mask, so attention is not the causal flash path memcalc assumes "
+               "(SDPA with an explicit mask / FlexAttention); the layer-activation or loss-path term is ~7 GiB low"),
+    Case("torchtune-llama3.2-3b-full-compile-chunkedce-ac", 24.9, "GiB", "allocated",
+         dict(recompute="full", loss="chunked", **TT3),
+         xfail="+20.4% when written; memcalc's peak is the foreach AdamW step (5.98 GiB of temporaries on top of "
+               "params+grads+moments = 23.95 GiB); the measurement leaves no room for them (with --no-foreach "
+               "memcalc gives 24.00 GiB, -3.6%): the optimizer variant used is not stated"),
+    Case("torchtune-llama3.2-3b-lora-r64", 8.5, "GiB", "allocated",
+         dict(recompute="full", loss="chunked", lora_rank=64, lora_targets="all", **TT3),
+         xfail="+34.4% when written; activation offloading (checkpointed layer inputs moved to CPU, 1.31 GiB) "
+               "and torch.compile of model and chunked loss are not modelled; memcalc's activations 4.84 GiB "
+               "vs ~1.8 GiB left in the measurement"),
+    Case("torchtune-llama3.2-3b-qlora-r64", 4.6, "GiB", "allocated",
+         dict(recompute="full", loss="chunked", lora_rank=64, lora_targets="all", base_dtype="nf4", **TT3),
+         xfail="+63.7% when written; same as the LoRA row (activation offloading, compile) on a 2.3 GiB base"),
+]
+
+# --- LLaMA-Factory README "Hardware Requirement" (*estimated*; no sequence length or batch stated) ----------------
+# Compared with memcalc's nvidia-smi-style peak for a short-context run (seq 512, micro-batch 1, torch AMP,
+# LoRA r=8 on all linears, full recompute): only the rule of thumb (2 B/param LoRA, 0.5 B/param QLoRA-4) is tested.
+LF = dict(model="llama-2-7b", lora_rank=8, lora_targets="all", seq=512, micro_batch=1, recompute="full",
+          gpu="a100-80gb")
+LLAMA_FACTORY = [
+    Case("llamafactory-7b-lora-16bit", 16.0, "GB", "peak", dict(**LF), tolerance=ESTIMATE),
+    Case("llamafactory-7b-qlora-4bit", 6.0, "GB", "peak", dict(base_dtype="nf4", **LF), tolerance=ESTIMATE),
+]
+
+CASES = LITGPT + TORCHTUNE_TUTORIAL + TORCHTUNE_README + LLAMA_FACTORY
+
+
+def _param(case: Case):
+    marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
+    return pytest.param(case, id=case.id, marks=marks)
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_published_finetune_figure(case: Case):
+    err = rel_error(case)
+    assert abs(err) <= case.tolerance, (
+        f"{case.id}: memcalc {memcalc_value(case):.2f} {case.unit} vs published {case.published} {case.unit} "
+        f"({err:+.1%}, tolerance {case.tolerance:.0%})")
+
+
+# --- differences of two published figures (same run setup, one knob changed) ------------------------------------
+
+
+def _diff_gb(a: dict, b: dict, figure: str = "allocated") -> float:
+    return (memcalc_bytes(figure, **a) - memcalc_bytes(figure, **b)) / GB
+
+
+@pytest.mark.parametrize("model,no_dq,dq", [("llama-2-7b", 14.14, 13.84), ("llama-2-13b", 23.14, 22.55)])
+def test_litgpt_double_quant_saving(model, no_dq, dq):
+    """bnb.nf4 -> bnb.nf4-dq in lit-gpt's table: the only difference is the absmax storage (fp32 per 64 weights
+    -> int8 per 64 + fp32 per 16384), so the saving isolates memcalc's nf4 scale term. Published to 0.01 GB."""
+    base = dict(model=model, base_dtype="nf4", **LIT)
+    predicted = _diff_gb(dict(base, double_quant=False), base)
+    assert abs(predicted - (no_dq - dq)) <= ROUNDING_GB, (predicted, no_dq - dq)
+
+
+@pytest.mark.xfail(strict=True, reason="memcalc 5.33 GB (4.96 GiB) per 1304-token sequence vs 7.77 GB measured "
+                                       "(-31% when written); " + LIT_ACT)
+def test_litgpt_activation_per_sequence():
+    """lit-gpt Llama-2-7B LoRA, micro-batch 2 minus micro-batch 1: one extra 1304-token sequence of activations
+    (both micro-batches are padded to the longest sample). Measured 29.07 - 21.30 = 7.77 GB."""
+    predicted = _diff_gb(dict(model="llama-2-7b", micro_batch=2, **LIT), dict(model="llama-2-7b", micro_batch=1,
+                                                                               **LIT))
+    assert abs(predicted - 7.77) / 7.77 <= MEASURED, predicted
+
+
+@pytest.mark.xfail(strict=True, reason="memcalc saves 9.31 GB going bf16 -> nf4 (Llama-2-7B) vs 7.16 GB measured "
+                                       "when written; " + BNB_INPUTS)
+def test_litgpt_quantization_saving():
+    """lit-gpt Llama-2-7B LoRA micro-batch 1: bf16 base 21.30 GB -> bnb.nf4 base 14.14 GB (saving 7.16 GB)."""
+    predicted = _diff_gb(dict(model="llama-2-7b", **LIT),
+                         dict(model="llama-2-7b", base_dtype="nf4", double_quant=False, **LIT))
+    assert abs(predicted - 7.16) / 7.16 <= MEASURED, predicted
