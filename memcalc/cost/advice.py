@@ -30,8 +30,6 @@ def _candidates(run: Run) -> Iterator[Change]:
     if t.recompute == "none":
         yield ("selective recompute", "--recompute selective",
                lambda r: r.replace(training=r.training.model_copy(update={"recompute": "selective"})))
-    if run.tp == 1 or run.sp is False:
-        pass
     m = run.model
     tp2 = run.tp * 2
     if (m.heads % tp2 == 0 and m.kv_heads % tp2 == 0 and tp2 <= run.hardware.gpus_per_node and run.dp % 2 == 0):
