@@ -143,8 +143,9 @@ def main() -> None:
           f"{compute.step_seconds(r):,.3f} | {compute.tokens_per_second(r):,.0f} | {compute.achieved_mfu(r):.1%} |")
     w("")
     w("The t8 p1 layout needs far more activation memory per GPU than p4; check it with `memcalc estimate` before "
-      "choosing it. FSDP2 all-gathers every stage's parameters over the 32 DP ranks twice per micro-batch, which "
-      "is why ZeRO-3 with 32 micro-batches per step is slow here.")
+      "choosing it. Under torch pipelining FSDP2 keeps a layer gathered from its backward to the next forward and "
+      "reduce-scatters once per step, so each layer is all-gathered m + 1 = 33 times per step over the 32 DP ranks "
+      "(not 2m): that is what makes ZeRO-3 slower here.")
     print("\n".join(out))
 
 

@@ -55,14 +55,15 @@ def test_no_ddp_buckets_without_data_parallelism_or_with_bucket_views(monkeypatc
 
 
 def test_amp_weight_casts_exclude_the_embedding_and_follow_recompute():
-    # bf16 AMP: fp32 params, a bf16 copy of every weight but the embedding table: 2 * (390720 - 64000)
+    # bf16 AMP: fp32 params, a bf16 copy of every weight but the embedding table and the norm weights (norms run
+    # in fp32 under autocast): 2 * (390720 - 64000 - 9 norms * 64)
     b = stage_buffers(run(precision="bf16"))["amp_weight_casts"]
-    assert b.bytes == 2 * (N - EMB) == 653_440
+    assert b.bytes == 2 * (N - EMB - 9 * 64) == 652_288
     assert b.phases == FWD_BWD
     assert stage_buffers(run(precision="bf16", recompute="full"))["amp_weight_casts"].phases == {"forward"}
     # pp=2: stage 0 holds layers 0-1 and the embedding (no cast), stage 1 layers 2-3, final norm and head
-    assert stage_buffers(run(precision="bf16", pp=2), 0)["amp_weight_casts"].bytes == 2 * (2 * LAYER)
-    assert stage_buffers(run(precision="bf16", pp=2), 1)["amp_weight_casts"].bytes == 2 * (2 * LAYER + 64 + EMB)
+    assert stage_buffers(run(precision="bf16", pp=2), 0)["amp_weight_casts"].bytes == 2 * (2 * LAYER - 4 * 64)
+    assert stage_buffers(run(precision="bf16", pp=2), 1)["amp_weight_casts"].bytes == 2 * (2 * LAYER - 4 * 64 + EMB)
     assert "amp_weight_casts" not in stage_buffers(run(precision="fp32"))
 
 
@@ -82,40 +83,55 @@ def test_foreach_adam_temporaries():
 
 
 def test_fsdp2_zero3_working_set():
-    # bf16 params / fp32 reduce. Largest unit = one layer (65664 > embedding 64000, head + final norm 64064):
-    # unsharded current + prefetched next unit 2*(65664+65664); unsharded bf16 grads 2*65664; fp32 RS input 4*65664
+    # bf16 params / fp32 reduce, dp=4. Units: each layer (65664; every dim 0 (64, 256) divides by 4: no padding)
+    # and the root (embedding 64000 + final norm 64 + head 64000 = 128064; vocab 1000 divides by 4).
     b = stage_buffers(run(gpus=4, zero=3, precision="bf16"))
-    assert stage_units(run(gpus=4, zero=3), 0) == (LAYER, LAYER)
-    assert b["fsdp_unsharded_params"].bytes == 262_656 and b["fsdp_unsharded_params"].phases == FWD_BWD
-    assert b["fsdp_unsharded_grads"].bytes == 131_328 and b["fsdp_unsharded_grads"].phases == {"backward"}
-    assert b["fsdp_reduce_scatter"].bytes == 262_656 and b["fsdp_reduce_scatter"].phases == {"backward"}
+    root, layer = EMB + 64 + EMB, LAYER
+    assert b["fsdp_unsharded_params"].bytes == 2 * root == 256_128  # root kept unsharded, all phases but the step
+    assert "optimizer" not in b["fsdp_unsharded_params"].phases
+    # backward: current unit unsharded + the next unit's flat all-gather output (prefetch), bf16
+    assert b["fsdp_backward_working_set"].bytes == 2 * (layer + layer) == 262_656
+    assert b["fsdp_backward_working_set"].phases == {"backward_layer", "backward_post"}
+    # forward: the last unit's all-gather output is still live at the LM head matmul
+    assert b["fsdp_forward_gather"].bytes == 2 * layer and b["fsdp_forward_gather"].phases == {"forward_head"}
+    # unsharded bf16 grads: head + final norm (64064) through the backward, the down projection (64*256) first
+    assert b["fsdp_head_grads"].bytes == 2 * (EMB + 64)
+    assert b["fsdp_unsharded_grads"].bytes == 2 * 64 * 256
+    # a layer's post-backward: its unsharded bf16 grads + the fp32 reduce-scatter input; the previous unit's
+    # reduce-scatter input stays in flight during the next unit's backward
+    assert b["fsdp_layer_reduce_scatter"].bytes == 2 * layer + 4 * layer
+    assert b["fsdp_reduce_scatter_in_flight"].bytes == 4 * layer
+    # end of backward: the root's unsharded grads (bf16) and its reduce-scatter input (fp32)
+    assert b["fsdp_root_reduce_scatter"].bytes == 2 * root + 4 * root
     assert b["amp_weight_casts"].bytes == 0  # FSDP2's MixedPrecisionPolicy gathers bf16 params: no autocast
     assert "ddp_buckets" not in b
-    # a 5000-token vocabulary makes the head unit the largest: 5000*64 + final norm 64 = 320064
-    big = TINY.model_copy(update={"vocab": 5000})
-    assert stage_units(run(model=big, gpus=4, zero=3), 0) == (320_064, LAYER)
-    assert stage_buffers(run(model=big, gpus=4, zero=3))["fsdp_reduce_scatter"].bytes == 4 * 320_064
-    # pp=2: stage 0 has the embedding (320000), stage 1 the head + norm (320064)
-    assert stage_units(run(model=big, pp=2, gpus=8, zero=3), 0) == (320_000, LAYER)
-    assert stage_units(run(model=big, pp=2, gpus=8, zero=3), 1) == (320_064, LAYER)
+    # padding: vocab 1001 over 4 ranks pads dim 0 to 1004 rows in the flat all-gather / reduce-scatter buffers
+    odd = TINY.model_copy(update={"vocab": 1001})
+    bo = stage_buffers(run(model=odd, gpus=4, zero=3, precision="fp32"))
+    root_odd = 1001 * 64 * 2 + 64
+    assert bo["fsdp_root_reduce_scatter"].bytes == 4 * root_odd + 4 * (2 * 1004 * 64 + 64)
+    assert stage_units(run(gpus=4, zero=3), 0) == (LAYER, LAYER)
 
 
 def test_fsdp2_zero2_keeps_all_params_unsharded_beyond_the_resident_shard():
-    # fp32, dp=2: resident shard 4*ceil(390720/2) = 781440 and an fp32 unsharded copy 4*390720, less the
-    # 4*390720 states.py already holds (ZeRO-2 keeps params whole) -> 781440
+    # fp32, dp=2: FSDP2 keeps the shard between steps (4*ceil(390720/2) = 781440, a model state) and the
+    # whole stage unsharded from forward to backward (4*390720), not at the optimizer step
     r = run(gpus=2, zero=2, precision="fp32")
-    assert model_states(r).params == 4 * N
+    assert model_states(r).params == 4 * N // 2 == 781_440
     b = stage_buffers(r)
-    assert b["fsdp_unsharded_params"].bytes == 781_440
-    assert b["fsdp_allgather_prefetch"].bytes == 4 * LAYER and b["fsdp_allgather_prefetch"].phases == {"forward"}
-    # bf16 AMP: resident fp32 shard 781440 + bf16 copy 781440 = 1562880 = the fp32 params states.py holds
-    assert stage_buffers(run(gpus=2, zero=2, precision="bf16"))["fsdp_unsharded_params"].bytes == 0
+    assert b["fsdp_unsharded_params"].bytes == 4 * N and "optimizer" not in b["fsdp_unsharded_params"].phases
+    assert "fsdp_backward_working_set" not in b  # everything is gathered already
+    assert b["fsdp_forward_gather"].bytes == 4 * LAYER and b["fsdp_forward_gather"].phases == {"forward_head"}
+    # bf16 AMP (MixedPrecisionPolicy): fp32 shard + a bf16 unsharded copy
+    r16 = run(gpus=2, zero=2, precision="bf16")
+    assert model_states(r16).params == 4 * N // 2
+    assert stage_buffers(r16)["fsdp_unsharded_params"].bytes == 2 * N
 
 
 def test_fsdp_is_not_applied_to_a_shard_group_of_one():
     b = stage_buffers(run(gpus=1, zero=3, precision="bf16"))
-    assert b["fsdp_unsharded_params"].bytes == b["fsdp_reduce_scatter"].bytes == 0
-    assert b["amp_weight_casts"].bytes == 2 * (N - EMB)
+    assert b["fsdp_unsharded_params"].bytes == b["fsdp_root_reduce_scatter"].bytes == 0
+    assert b["amp_weight_casts"].bytes == 2 * (N - EMB - 9 * 64)
 
 
 def test_lora_buffers_follow_the_trainable_parameters():
@@ -207,7 +223,8 @@ def test_deepspeed_zero3_buffers_beyond_the_estimator():
 def test_deepspeed_zero12_ipg_and_zero0_allreduce_buckets():
     for z in (1, 2):
         b = stage_buffers(run(profile="deepspeed", gpus=2, zero=z, precision="bf16"))["zero_ipg_buffers"]
-        assert b.bytes == 2 * 500_000_000 and b.phases == {"backward"}  # one bucket: overlap_comm off for 1/2
+        # one bucket (overlap_comm off for 1/2), live through the whole backward
+        assert b.bytes == 2 * 500_000_000 and b.phases == {"backward", "backward_layer", "backward_post"}
     b0 = stage_buffers(run(profile="deepspeed", gpus=2, zero=0, precision="fp16"))["allreduce_bucket"]
     assert b0.bytes == 2 * N and b0.phases == {"optimizer"}  # min(390720, 5e8) fp16 elements
     assert stage_buffers(run(profile="deepspeed", gpus=1, zero=0, precision="fp16"))["allreduce_bucket"].bytes == 0

@@ -151,7 +151,9 @@ def test_lora_fits_on_24gb_with_bf16_base():
 def test_lora_activations_drop_frozen_linear_inputs_and_add_low_rank():
     from memcalc.cost.activations import layer_terms
 
-    full = layer_terms(run_of(model="llama-2-7b", seq=2048))
+    # bf16 weights for both (the LoRA base is stored in bf16; AMP over fp32 weights would add fp32 norm inputs
+    # and per-projection input casts, activations._autocast)
+    full = layer_terms(run_of(model="llama-2-7b", seq=2048, master_weights=False))
     lora = layer_terms(run_of(model="llama-2-7b", seq=2048, lora_rank=8))
     tok, h, f, r, c = 2048, 4096, 11008, 8, 2
     # attention targeted: q/k/v/o adapters each save x A (tok x r); the MLP is frozen, so neither the gate/up

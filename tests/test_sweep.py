@@ -28,7 +28,10 @@ def test_zero_stages_lower_the_model_states_and_the_peak():
     states = [sum(p["estimate"]["memory"]["model_states_detail"][k]
                   for k in ("params", "master_weights", "grads", "grads_fp32_copy", "optimizer_moments"))
               for p in pts]
-    assert all(a > b for a, b in zip(states, states[1:])), states
+    # torch profile: ZeRO-2 is FSDP2 reshard_after_forward=False, which keeps the same shards between steps as
+    # ZeRO-3 and the whole stage unsharded from forward to backward (a buffer): equal states, a higher peak
+    assert states[0] > states[1] > states[2] == states[3], states
+    assert peaks[2] > peaks[3], peaks
     # the peak also holds stage-dependent buffers (reduce-scatter / all-gather staging), so only the ends are ordered
     assert peaks[0] > peaks[-1], peaks
 

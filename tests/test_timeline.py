@@ -111,11 +111,15 @@ def test_pipeline_stages_1f1b(no_buffers):
 
 def test_full_recompute_backward_holds_one_rematerialised_layer(no_buffers):
     """Every layer checkpointed, 1 micro-batch, not the last stage: backward peak = the checkpointed inputs + one
-    layer re-materialised (its own input already counted)."""
+    layer re-materialised (its own input already counted) + that layer's backward transient (the incoming
+    gradient and the MLP's activation gradients, activations.layer_backward_transient)."""
+    from memcalc.cost.activations import layer_backward_transient
+
     r = make(llama(layers=8), "megatron", seq=1024, pp=2, gpus=2, recompute="full")
     sa = stage_activations(r, 0)
     assert sa.backward_first_bytes - sa.held_bytes == sa.detail["recompute_transient"] > 0
-    assert live(stage_memory(r, 0), "backward")["activations"] == sa.backward_first_bytes
+    assert sa.backward_layer_bytes - sa.held_bytes == sa.detail["recompute_transient"] + layer_backward_transient(r)
+    assert live(stage_memory(r, 0), "backward")["activations"] == sa.backward_layer_bytes
 
 
 def test_buffers_go_to_the_phases_they_name(monkeypatch):

@@ -162,9 +162,12 @@ def test_fsdp_x_tp():
 
 def test_pipeline_1f1b_send_recv():
     run, rep = _v(precision="fp32", gpus=2, pp=2, grad_accum=4)
-    # stage 0 sends each micro-batch's activations (b*s*h fp32) and receives their gradients
+    # stage 0 sends each micro-batch's activations (b*s*h fp32): a transfer counts once, for the rank that sends it;
+    # the receives of their gradients are the other stage's sends, reported beside the row and not compared
     sr = _coll(rep, "send/recv", "pp")
-    assert sr["measured_bytes"] == 2 * 4 * (1 * 32 * 64 * 4)
+    assert sr["measured_bytes"] == sr["predicted_bytes"] == 4 * (1 * 32 * 64 * 4)
+    assert (sr["measured_recv_calls"], sr["measured_recv_bytes"]) == (4, 4 * (1 * 32 * 64 * 4))
+    assert sr["exact"]
     assert rep["measured"]["peak_phase"] in ("forward-backward", "optimizer")
 
 

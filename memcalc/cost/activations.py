@@ -56,6 +56,33 @@ def _shape(run: Run) -> tuple[int, Num, Num, Num]:
     return c, tok, tok_sp, tok_in
 
 
+def _autocast(run: Run) -> Num:
+    """1 where the torch profile runs under autocast with fp32 parameters (AMP: `compute_copy`), else 0. FSDP2
+    over a shard group of more than one rank uses MixedPrecisionPolicy instead (bf16 parameters, no autocast;
+    memcalc/cost/buffers.py), and LoRA's frozen base is stored in the compute dtype already."""
+    if run.profile != "torch" or not run.recipe.compute_copy or run.training.lora_rank is not None:
+        return 0
+    if run.zero >= 2:
+        return where(run.shard_degree > 1, 0, 1)
+    return 1
+
+
+def _stream_bytes(run: Run, c: int) -> Num:
+    """Bytes per element of the residual stream. Under autocast with fp32 weights the embedding lookup and the
+    residual adds stay fp32 (autocast lowers matmuls only; aten/src/ATen/autocast_mode.cpp), so every norm saves
+    an fp32 input (HF Trainer `bf16=True`, torch AMP); otherwise the compute dtype."""
+    ac = _autocast(run)
+    return c + (4 - c) * ac
+
+
+def _input_copies(run: Run, consumers: int) -> Num:
+    """Saved copies of one fp32 input read by `consumers` separate linears under autocast: autocast caches the
+    casts of weights (leaf tensors that require grad) but casts an activation again for every op, and each matmul
+    saves its own low-precision copy (HF LlamaAttention's q/k/v_proj, LlamaMLP's gate/up_proj). One copy
+    otherwise (the input is already in the compute dtype)."""
+    return 1 + (consumers - 1) * _autocast(run)
+
+
 def _mlp_terms(run: Run, prefix: str, c: int, tokens: Num, ffn: int, out: dict[str, Num]) -> None:
     """Saved intermediates of one MLP (input excluded) on `tokens` tokens, FFN width split over tp."""
     f_t = cdiv(ffn, run.tp)  # column-parallel fc / gate+up (Shoeybi et al. 2019 sec. 3); uneven: biggest shard
@@ -93,11 +120,13 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     eager = run.training.attention == "eager"
     dropout = run.dropout > 0
     stats = 0 if paper_terms else _fp32_norm_stats(run) * tok_sp
-    norm = c * tok_sp * h + stats  # a norm saves its input (+ fp32 stats); replicated over t without SP
+    # a norm saves its input (+ fp32 stats); replicated over t without SP; fp32 under autocast (_stream_bytes)
+    norm = _stream_bytes(run, c) * tok_sp * h + stats
 
     out: dict[str, Num] = {}
     out["attn_norm"] = norm
-    out["qkv_input"] = c * tok_in * h  # norm output, input of the QKV projection (Korthikanti: 2sbh)
+    # norm output, input of the QKV projection (Korthikanti: 2sbh); one copy per projection under autocast
+    out["qkv_input"] = c * tok_in * h * _input_copies(run, 3)
     out["q"] = c * tok * heads * d
     # eager attention repeats K/V to all heads before the matmuls that save them (HF repeat_kv; Megatron
     # unfused DotProductAttention repeat_interleave); flash/SDPA kernels take g heads and save them as is.
@@ -125,8 +154,9 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         out["attn_residual_dropout_mask"] = tok_sp * h  # 1 byte per element (Korthikanti: sbh)
     out["residual_adds"] = 0  # an add saves nothing; the residual stream is kept by the next norm's saved input
     out["mlp_norm"] = norm
-    out["mlp_input"] = c * tok_in * h  # norm output, input of fc / gate+up (and of the MoE router)
     moe = m.moe
+    # norm output, input of fc / gate+up (and of the MoE router); gate and up cast it separately under autocast
+    out["mlp_input"] = c * tok_in * h * _input_copies(run, 2 if m.mlp == "swiglu" and moe is None else 1)
     if moe is None:
         _mlp_terms(run, "mlp_", c, tok, m.ffn, out)
     else:
@@ -202,7 +232,7 @@ def last_stage_terms(run: Run) -> dict[str, Num]:
     h = m.hidden
     stats = _fp32_norm_stats(run) * tok_sp
     out = {
-        "final_norm": c * tok_sp * h + stats,
+        "final_norm": _stream_bytes(run, c) * tok_sp * h + stats,
         "output_layer_input": c * tok_in * h,  # Korthikanti sec. 4.3: 2sbh/t (with SP)
         # cross-entropy in fp32: the log-softmax (torch) or softmax (Megatron vocab-parallel CE) saved for
         # backward, s*b*V/t fp32 (Korthikanti sec. 4.3: 4sbv/t); one chunk of it with a chunked loss
@@ -214,6 +244,12 @@ def last_stage_terms(run: Run) -> dict[str, Num]:
         # gathered logits of all dp replicas and the loss's fp32 terms for all of them.
         out["dataparallel_gathered_logits"] = c * _logit_elems(run) * run.dp
     return out
+
+
+def _head_saved(run: Run) -> Num:
+    """The final norm's and LM head's saved inputs (saved before the logits exist)."""
+    t = last_stage_terms(run)
+    return t["final_norm"] + t["output_layer_input"]
 
 
 def _gathered_replicas(run: Run) -> Num:
@@ -252,7 +288,8 @@ def loss_transients(run: Run) -> tuple[Num, Num]:
     n32 = _loss_fp32_elems(run) * _gathered_replicas(run)  # DataParallel: GPU 0 runs the loss for all replicas
     inplace = run.profile == "megatron"
     chunked = run.training.loss == "chunked"
-    fwd = c * n + (0 if inplace else 4 * n32)
+    # with fp32 logits `.float()` returns the same tensor: no upcast copy
+    fwd = c * n + (0 if (inplace or c == 4) else 4 * n32)
     bwd = (c * n if (inplace or chunked) else 0) + (0 if inplace else 8 * n32)
     return fwd, bwd
 
@@ -312,6 +349,16 @@ class StageActivations:
     forward_bytes: Num  # held + the forward transient (logits at the loss, or ring-attention K/V)
     backward_first_bytes: Num  # held + the backward transient, at the start of the stage's first backward
     backward_later_bytes: Num  # at the start of a later backward (earlier ones have allocated the grads)
+    # inside the first layer's backward of the stage's first backward: the loss terms freed, the layer's
+    # activation-gradient transients live (`layer_backward_transient`), a checkpointed layer re-materialised
+    backward_layer_bytes: Num
+    # the same moment with the compute-dtype logits still live (end of forward, at the LM head matmul)
+    forward_head_bytes: Num
+    # the end of that layer's backward (FSDP2's post-backward): its activations freed, the gradient of its input
+    # (the residual stream) live
+    backward_post_bytes: Num
+    layers: Num  # layers of the stage (of one model chunk when interleaved)
+    layer_freed_bytes: Num  # what one layer's backward frees (one micro-batch; the average layer of the unit)
     in_flight: Num  # units held (micro-batches; model chunks when interleaved)
     detail: dict[str, Num]  # named terms summed over layers and in-flight units; *_transient: extra at a phase
 
@@ -353,6 +400,25 @@ def _remat_net(mode: str, terms: dict[str, Num], kept: Num) -> Num:
                 core = core + terms[k]
     after = plain - before
     return core + terms["attn_output"] - after
+
+
+def layer_backward_transient(run: Run) -> Num:
+    """Bytes a layer's backward holds beyond the saved activations at its highest moment (the MLP's backward,
+    which runs first): the incoming gradient of the residual stream (its dtype, sharded like it under SP), the
+    down projection's input gradient and, for SwiGLU, the gradients of both factors of the product while the
+    former is live (net of the down projection's saved input, freed by then): 2 c tok f/t; for GELU the GELU
+    gradient, net c tok f/t. Derived from the op order of autograd's backward (aten mm / mul / silu_backward;
+    measured op by op by the harness, docs/validation.md). The weight gradients are counted by the timeline."""
+    m = run.model
+    c, tok, tok_sp, _ = _shape(run)
+    stream = _stream_bytes(run, c) * tok_sp * m.hidden
+    if m.moe is None:
+        tokens, ffn = tok, m.ffn
+    else:
+        tokens, ffn = m.moe.top_k * tok, m.moe.expert_ffn
+    f_t = cdiv(ffn, run.tp)
+    factors = 2 if m.mlp == "swiglu" else 1
+    return stream + factors * c * tokens * f_t
 
 
 def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
@@ -421,10 +487,12 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         detail[key] = x * n_first
         extra = extra + x
         held = held + x * n_first
+    last_saved = 0  # what the loss and LM head of one micro-batch saved (freed before the first layer's backward)
     for key, x in last_stage_terms(run).items():
         x = where(last, x, 0)
         detail[key] = x * n_last
         extra = extra + x
+        last_saved = last_saved + x
         held = held + x * n_last
     for key, x in every_stage_terms(run, stage).items():
         detail[key] = x * n_every
@@ -444,6 +512,15 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # layer's backward; the ring buffers live inside a layer's attention (with its recompute)
     fwd_tr = imax(loss_fwd, ring_fwd)
     bwd_tr = imax(loss_bwd, remat + ring_bwd)
+    layer_tr = layer_backward_transient(run)
+    if mode == "full":
+        at_layer = layer_tr + imax(remat, 0)  # the layer is re-run, then its backward starts
+    elif mode == "selective":
+        at_layer = imax(layer_tr, remat)  # the core comes back after the MLP's backward
+    else:
+        at_layer = layer_tr
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
+    logits = where(last, c * _logit_elems(run), 0)
     detail["logits_forward_transient"] = loss_fwd
     detail["logits_grad_transient"] = loss_bwd
     detail["recompute_transient"] = imax(remat, 0)
@@ -453,6 +530,12 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         forward_bytes=held + fwd_tr,
         backward_first_bytes=held + bwd_tr,
         backward_later_bytes=held_later + where(total_units > 1, bwd_tr, 0),
+        backward_layer_bytes=held - last_saved + at_layer,
+        forward_head_bytes=held - last_saved + logits + where(last, _head_saved(run), 0),
+        backward_post_bytes=held - last_saved - unit_bytes // imax(unit_layers, 1)
+        + _stream_bytes(run, c) * _shape(run)[2] * m.hidden,
+        layers=unit_layers,
+        layer_freed_bytes=unit_bytes // imax(unit_layers, 1),
         in_flight=units,
         detail=detail,
     )

@@ -28,9 +28,13 @@ from memcalc.cost.params import (
     embedding_params,
     head_params,
     layer_params,
+    layer_tensor_shapes,
     matrix_shapes,
     norm_params,
+    padded_shard_elems,
+    root_tensor_shapes,
     shape_params,
+    stage_layers,
     stage_param_split,
     stage_params,
 )
@@ -40,9 +44,15 @@ from memcalc.xp import muldiv, cdiv, imax, imin, where
 
 Num = Any
 
-ALL_PHASES: frozenset[str] = frozenset({"forward", "backward", "optimizer"})
-FWD_BWD: frozenset[str] = frozenset({"forward", "backward"})
-BACKWARD: frozenset[str] = frozenset({"backward"})
+# Moments of a step (memcalc/cost/timeline.py): "forward" (the loss of the last forward before a backward),
+# "forward_head" (the LM head matmul just before it), "backward" (the loss gradient, start of backward),
+# "backward_layer" (inside the first layer's backward), "backward_post" (at its end), "backward_end" (the last unit's gradient reduction,
+# FSDP2), "optimizer" (the step).
+ALL_PHASES: frozenset[str] = frozenset(
+    {"forward", "forward_head", "backward", "backward_layer", "backward_post", "backward_end", "optimizer"}
+)
+FWD_BWD: frozenset[str] = frozenset({"forward", "forward_head", "backward", "backward_layer", "backward_post"})
+BACKWARD: frozenset[str] = frozenset({"backward", "backward_layer", "backward_post"})
 OPTIMIZER: frozenset[str] = frozenset({"optimizer"})
 
 MiB = 1 << 20
@@ -136,10 +146,12 @@ def _trainable_shard_elems(run: Run, stage: Num) -> Num:
 
 def _matmul_weight_elems(run: Run, stage: Num) -> Num:
     """Parameters of the stage that autocast casts for matmuls: everything but the input embedding, whose lookup
-    is not an autocast op (aten/src/ATen/autocast_mode.cpp lists no embedding among the lower-precision ops).
-    Norm weights are included (they are < 0.01% of a layer)."""
-    emb = _scaled(run, embedding_params(run.model, run.profile, run.tp))
-    return _stage_elems(run, stage) - where(stage == 0, emb, 0)
+    is not an autocast op, and the norm weights (layer_norm / rms_norm run in fp32 under autocast; the casts
+    of aten/src/ATen/autocast_mode.cpp are for the lower-precision ops: matmuls, linear, ...)."""
+    m = run.model
+    emb = _scaled(run, embedding_params(m, run.profile, run.tp))
+    norms = _scaled(run, norm_params(m) * (2 * stage_layers(m, run.pp, stage) + where(stage == run.pp - 1, 1, 0)))
+    return _stage_elems(run, stage) - where(stage == 0, emb, 0) - norms
 
 
 def _te_dummy_wgrad_elems(run: Run) -> Num:
@@ -226,36 +238,62 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     # unsharded grads (param_dtype) into a reduce-scatter input of reduce_dtype, then frees them.
     # With a shard group of one rank nothing is wrapped (torchtitan applies fully_shard only when dp_shard > 1 and
     # uses autocast otherwise), so the FSDP terms apply where dp*cp > 1 and the AMP casts where it is 1.
-    sharded = d > 1
-    largest, layer = stage_units(run, stage)
     rb = gb  # reduce dtype = the sharded grad dtype (MixedPrecisionPolicy(reduce_dtype=fp32) under AMP)
+    sharded = d > 1
+    # the FSDP2 units of this stage: each layer, and the root (embedding, final norm, LM head; apply_fsdp in
+    # memcalc/validate/parallelize.py, torchtitan's parallelize_llama). A unit's all-gather output is one flat
+    # buffer of D x its padded shard (dim 0 of every tensor padded to a multiple of D, _fsdp_param.py); copy-out
+    # then fills the unpadded unsharded parameters.
+    m = run.model
+    layer = _scaled(run, padded_shard_elems(layer_tensor_shapes(run), 1))
+    layer_flat = _scaled(run, d * padded_shard_elems(layer_tensor_shapes(run), d))
+    root = imax(n - stage_layers(m, run.pp, stage) * layer, 0)
+    root_flat = _scaled(run, d * padded_shard_elems(root_tensor_shapes(run, stage), d))
+    share_num, share_den = n_train, imax(n, 1)  # only trainable parameters produce gradients (LoRA / --freeze)
+    keep = frozenset({"forward", "forward_head", "backward", "backward_layer", "backward_post", "backward_end"})
     if run.zero == 2:
-        # reshard_after_forward=False: every unit stays unsharded from its forward to its post-backward, on top of
-        # the resident sharded parameters (pb x shard). states.py counts the parameters of ZeRO-2 unsharded
-        # (pb x n, ZeRO semantics); only what exceeds that is added here, so the total is right whichever way
-        # states.py counts them: extra = pb*shard + cb*n - (params states.py holds), never below 0.
-        held = model_states(run, stage).params
-        resident = DTYPE_BYTES[r.param_dtype] * _shard_elems(run, stage)
-        out["fsdp_unsharded_params"] = Buffer(
-            where(sharded, imax(resident + cb * n - held, 0), 0),
-            FWD_BWD,
-            "FSDP2 reshard_after_forward=False: unsharded params of the stage beyond the resident ones",
-        )
-        out["fsdp_allgather_prefetch"] = Buffer(
-            where(sharded, cb * layer, 0), frozenset({"forward"}), "all-gather output of the next unit (prefetch)"
-        )
+        # reshard_after_forward=False: every unit stays unsharded from its forward to its post-backward
+        out["fsdp_unsharded_params"] = Buffer(where(sharded, cb * n, 0), keep,
+                                              "FSDP2 reshard_after_forward=False: the stage's unsharded params")
     else:
-        out["fsdp_unsharded_params"] = Buffer(
-            where(sharded, cb * (largest + layer), 0), FWD_BWD, "FSDP2 unsharded current unit + prefetched next unit"
-        )
-    # only trainable parameters produce gradients (LoRA / --freeze): scale the unit by the trainable share
-    grad_unit = (largest * n_train) // imax(n, 1)
+        # ZeRO-3: the root is gathered first and kept (reshard_after_forward=None on the root); each layer is
+        # gathered for its forward and again for its backward, resharded after each
+        out["fsdp_unsharded_params"] = Buffer(where(sharded, cb * root, 0), keep,
+                                              "FSDP2 root unit (embedding, final norm, head), kept unsharded")
+        # backward: the current unit unsharded plus the next one's all-gather output (explicit backward
+        # prefetch of 1, _fsdp_param_group.py `_backward_prefetch`)
+        out["fsdp_backward_working_set"] = Buffer(
+            where(sharded, cb * (layer + layer_flat), 0), frozenset({"backward_layer", "backward_post"}),
+            "FSDP2 current unit unsharded + next unit's all-gather output (backward prefetch)")
+    # forward: the all-gather output of the last unit is kept (`comm_ctx.all_gather_state`, freed at the next
+    # copy-out or at the root's post-forward), i.e. still live at the LM head
+    out["fsdp_forward_gather"] = Buffer(where(sharded, cb * layer_flat, 0), frozenset({"forward_head"}),
+                                        "FSDP2 all-gather output of the last unit, freed after the forward")
+    # the first unsharded gradients of backward: the LM head's and final norm's (the root reduce-scatters only
+    # at its post-backward, after the embedding: they stay unsharded all through backward) and the first
+    # layer's down projection (the first weight gradient of a layer's backward)
+    last = stage == run.pp - 1
+    head_g = where(last, _scaled(run, head_params(m, run.profile, run.tp) + norm_params(m)), 0)
+    down_g = _scaled(run, m.hidden * cdiv(m.ffn if m.moe is None else m.moe.expert_ffn, run.tp))
+    out["fsdp_head_grads"] = Buffer(
+        where(sharded, muldiv(cb * head_g, share_num, share_den), 0), frozenset({"backward_layer", "backward_post"}),
+        "unsharded grads of the LM head and final norm (reduced with the root, at the end of backward)")
     out["fsdp_unsharded_grads"] = Buffer(
-        where(sharded, cb * grad_unit, 0), BACKWARD, "unsharded grads of a unit before its reduce-scatter"
-    )
-    out["fsdp_reduce_scatter"] = Buffer(
-        where(sharded, rb * grad_unit, 0), BACKWARD, "reduce-scatter input of a unit (reduce dtype)"
-    )
+        where(sharded, muldiv(cb * down_g, share_num, share_den), 0), frozenset({"backward_layer"}),
+        "unsharded grad of the down projection, the first weight gradient of a layer's backward")
+    # the layer's post-backward: all its unsharded grads, copied into the reduce-scatter input (reduce dtype)
+    out["fsdp_layer_reduce_scatter"] = Buffer(
+        where(sharded, muldiv(cb * layer + rb * layer_flat, share_num, share_den), 0), frozenset({"backward_post"}),
+        "a layer's unsharded grads and their reduce-scatter input (its post-backward)")
+    # from the second unit on, the previous unit's reduce-scatter input stays in flight until the next unit's
+    # post-backward (comm_ctx.reduce_scatter_states, reduce_scatter_max_input_buffers = 1, _fsdp_param_group.py)
+    out["fsdp_reduce_scatter_in_flight"] = Buffer(
+        where(sharded, muldiv(rb * layer_flat, share_num, share_den), 0), frozenset({"backward_layer_next"}),
+        "previous unit's reduce-scatter input, in flight during the next unit's backward")
+    # end of backward: the root's unsharded grads and its reduce-scatter input (flat, padded, reduce dtype)
+    out["fsdp_root_reduce_scatter"] = Buffer(
+        where(sharded, muldiv(cb * root + rb * root_flat, share_num, share_den), 0), frozenset({"backward_end"}),
+        "root unit's unsharded grads and its reduce-scatter input (end of backward)")
     if r.compute_copy:
         casts = _amp_casts(run, stage, n_train)
         out["amp_weight_casts"] = Buffer(where(sharded, 0, casts.bytes), casts.phases, casts.note + " (no FSDP)")
@@ -340,6 +378,12 @@ def stage_buffers(run: Run, stage: Num = 0) -> dict[str, Buffer]:
     """Named buffers of one rank of pipeline stage `stage` (bytes; see the module docstring for the phases)."""
     if run.profile == "torch":
         out = _torch_buffers(run, stage)
+        r = run.recipe
+        if r.master_weights and r.grad_dtype != "fp32" and not r.fp32_grad_copy and run.offload == "none":
+            # low-precision grads stepped on fp32 masters (apex amp O2 `master_params_to_model_params`, the
+            # harness's MasterOptimizer): each grad is upcast to fp32 for the step and dropped after it
+            elems = _trainable_shard_elems(run, stage) if run.zero >= 1 else _trainable_elems(run, stage)
+            out["master_grad_upcast"] = Buffer(4 * elems, OPTIMIZER, "fp32 copies of the grads for the master step")
     elif run.profile == "megatron":
         out = _megatron_buffers(run, stage)
     else:

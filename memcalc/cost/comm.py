@@ -17,20 +17,24 @@ min(n_X, max(1, G // s_X)) of its ranks in one node of G GPUs (exact for power-o
 
 Which collectives run, per profile (sources next to each builder below):
 - data parallel (group dp x cp; expert parameters over dp x cp / ep): ZeRO-0 all-reduce once per step (no_sync
-  while accumulating); ZeRO-1 torch `ZeroRedundancyOptimizer` all-reduce + broadcast of the parameters,
+  while accumulating); ZeRO-1 torch `ZeroRedundancyOptimizer` all-reduce + one broadcast per parameter tensor,
   megatron distributed optimizer / deepspeed reduce-scatter + all-gather once per step; ZeRO-2 reduce-scatter
   every micro-batch (+ torch FSDP2 `reshard_after_forward=False`: one all-gather per micro-batch; megatron /
   deepspeed: the all-gather once per step); ZeRO-3 all-gather in forward and again in backward + reduce-scatter,
-  every micro-batch (torch FSDP2: the root module stays unsharded after forward). Only trainable parameters are
+  every micro-batch (torch FSDP2: the root module stays unsharded after forward). torch FSDP2 is counted call by
+  call, one per `fully_shard` unit with FSDP2's dim-0 padding, and once per step under pipelining
+  (`_fsdp2_terms`). Only trainable parameters are
   reduced (LoRA / --freeze); ZeRO-3 also gathers frozen weights. `dp_mode` ps: push grads + pull params through
   one server link; dataparallel (torch.nn.DataParallel): broadcast params + reduce grads every micro-batch.
 - tensor parallel: megatron / deepspeed as Shoeybi et al. 2019 (sec. 3, Fig. 4): 2 all-reduces of s*b*h in
   forward and 2 in backward per layer per micro-batch, with SP the same volume as all-gather + reduce-scatter
   pairs (Korthikanti et al. 2022 sec. 4.2.2), +2 (one forward) under full recompute (ZeRO paper sec. 7.2.2);
-  torch DTensor with unfused q/k/v and gate/up, as measured (research/validation-findings.md): (2L+1) all-reduces
-  forward, (5L+1) backward (4L+1 with a GELU MLP), the logits all-gather, +1 per layer under full recompute.
+  torch DTensor with unfused q/k/v and gate/up, as measured (memcalc validate): (2L+1) all-reduces forward,
+  (5L+1) backward (4L+1 with a GELU MLP), the logits all-gather, +1 per layer under full recompute; with SP
+  2 + 2 all-gathers and reduce-scatters per layer, and the Partial gradients of the SequenceParallel norms
+  all-reduced by DTensor (`_sp_norm_grads_torch`); norm outputs and the residual stream in `_stream_dtype`.
 - pipeline: send/recv of s*b*h (/t with SP) per micro-batch per stage boundary, both directions, vpp times as
-  many with interleaving (Narayanan et al. 2021 sec. 2.2.2); the tied embedding / LM-head gradient all-reduce
+  many with interleaving (Narayanan et al. 2021 sec. 2.2.2), each transfer counted by the rank that sends it; the tied embedding / LM-head gradient all-reduce
   between the first and last stage (Megatron `_allreduce_word_embedding_grads`).
 - context parallel: ring exchange of the local K/V chunk, (cp-1) steps per layer in forward, K/V and dK/dV in
   backward (Transformer Engine `AttnFuncWithCPAndKVP2P`).
@@ -54,11 +58,16 @@ from memcalc.cost.params import (
     head_params,
     largest_unit_params,
     layer_params,
+    layer_tensor_shapes,
+    padded_shard_elems,
     padded_vocab,
+    root_tensor_shapes,
     shape_params,
+    stage_first_layer,
     stage_layers,
     stage_param_split,
     stage_params,
+    stage_tensor_shapes,
 )
 from memcalc.specs import DTYPE_BYTES, Run
 from memcalc.xp import muldiv, as_int, imax, imin, where
@@ -218,6 +227,50 @@ def _ep_split(run: Run, st: dict[str, Num]) -> tuple[list[tuple[Num, Num]], list
     return ep_seg, edp_seg
 
 
+# ---------------------------------------------------------------------------------------------------- torch helpers
+
+
+def _label(cond: Any, a: str, b: str) -> str:
+    """The dtype label of a term whose bytes are `where(cond, bytes of a, bytes of b)`: exact for a scalar run;
+    for the planner's arrays (labels unused there) `b`."""
+    if isinstance(cond, bool):
+        return a if cond else b
+    import numpy as np
+
+    return a if np.ndim(cond) == 0 and bool(cond) else b
+
+
+def _fsdp_on(run: Run) -> Num:
+    """torch profile: FSDP2 wraps the model when ZeRO >= 2 and the shard group dp x cp has more than one rank
+    (torchtitan; memcalc/validate/harness.py); otherwise AMP runs under torch.autocast."""
+    if run.zero < 2:
+        return False
+    return run.dp * run.cp > 1
+
+
+def _stream_dtype(run: Run) -> tuple[str, Num]:
+    """(dtype, bytes) of the residual stream, i.e. of the embedding output, the norm outputs and what flows between
+    pipeline stages. torch AMP (fp32 params, torch.autocast): the embedding lookup is not an autocast op
+    (aten/src/ATen/autocast_mode.cpp lists no embedding among the lower-precision ops), so the stream, the norms'
+    outputs and their gradients stay in the param dtype; only linear outputs are in the compute dtype (measured:
+    TP+SP bf16 all-gathers the norm outputs in fp32, pipelining sends fp32). Under FSDP2's MixedPrecisionPolicy
+    the params themselves are cast: everything is in the compute dtype. Other profiles: the compute dtype."""
+    r = run.recipe
+    act = r.compute_dtype
+    if run.profile != "torch" or not r.compute_copy or r.param_dtype == act:
+        return act, DTYPE_BYTES[act]
+    fsdp = _fsdp_on(run)
+    return _label(fsdp, act, r.param_dtype), where(fsdp, DTYPE_BYTES[act], DTYPE_BYTES[r.param_dtype])
+
+
+def _scaled(run: Run, x: Num) -> Num:
+    """`--params N`: scale an element count of the reference shape to N (as params.stage_params does)."""
+    m = run.model
+    if m.params_override is None:
+        return x
+    return muldiv(x, m.params_override, shape_params(m))
+
+
 # ---------------------------------------------------------------------------------------------------- builders
 
 
@@ -253,6 +306,10 @@ def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
     ag_dtype = r.compute_dtype if (prof == "torch" and r.compute_copy) else r.param_dtype
     agb = DTYPE_BYTES[ag_dtype]
     unit = largest_unit_params(run)
+    # torch, dense and fully trainable: per-tensor shapes are known, so the collectives are counted call by call
+    # (the same categorical test as states.model_states' FSDP2 padding)
+    per_tensor = prof == "torch" and run.training.lora_rank is None and not run.training.freeze \
+        and run.model.moe is None
     groups: list[tuple[str, Num, Num, list[tuple[Num, Num]], str]] = [
         ("", dense, run.dp * run.cp, _dp_segments(run, st), "dense")
     ]
@@ -292,9 +349,18 @@ def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
             # (torch/distributed/optim/zero_redundancy_optimizer.py `_sync_params`; measured 4P + 4P in fp32)
             out.append(_term(run, "all-reduce", "dp", r.grad_dtype, n, grads, one, seg, window="bwd_last",
                              tail=_tail(bucket, grads), note=f"{pre}: DDP all-reduce once per step"))
-            out.append(_term(run, "broadcast", "dp", r.param_dtype, n, params, one, seg,
-                             note=f"{label}params: ZeroRedundancyOptimizer broadcasts every rank's partition after "
-                                  "the step (n broadcasts of S/n; factor 1)"))
+            if per_tensor and run.model.params_override is None:
+                # `_sync_params` -> `_broadcast_params_from_rank`: with parameters_as_bucket_view=False (the
+                # default) every parameter tensor is broadcast on its own from the rank that owns it: one call per
+                # tensor (tensors of one shape are one term; collectives() merges equal ones)
+                for d0, row, count in stage_tensor_shapes(run, stage):
+                    out.append(_term(run, "broadcast", "dp", r.param_dtype, n, d0 * row * pb, count * one, seg,
+                                     note="params: ZeroRedundancyOptimizer broadcasts every parameter tensor from "
+                                          "its owner after the step (one call per tensor; factor 1)"))
+            else:
+                out.append(_term(run, "broadcast", "dp", r.param_dtype, n, params, one, seg,
+                                 note=f"{label}params: ZeroRedundancyOptimizer broadcasts every rank's partition "
+                                      "after the step (one logical call of the whole buffer; factor 1)"))
         elif z in (1, 2) and prof in ("megatron", "deepspeed"):
             # Megatron distributed optimizer (docs/user-guide/features/dist_optimizer.md): reduce-scatter grads,
             # all-gather updated params; DeepSpeed stage_1_and_2.py: ZeRO-1 reduces at the accumulation boundary,
@@ -309,25 +375,91 @@ def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
                              window="fwd_first" if ovl else "none", tail=_tail(bucket * pb // gb, params),
                              note=f"{label}params: all-gather of the updated shards once per step"
                                   + (" (--overlap-param-gather)" if ovl else "")))
+        elif per_tensor:  # torch FSDP2, ZeRO-2 or 3, counted call by call
+            out += _fsdp2_terms(run, stage, n, seg, ag_dtype, unit)
         elif z == 2:  # torch FSDP2 fully_shard(reshard_after_forward=False)
-            out.append(_term(run, "all-gather", "dp", ag_dtype, n, gathered, ga, seg, window="fwd",
+            # under pipelining once per step (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`:
+            # set_reshard_after_backward(False), set_requires_gradient_sync(False) until `perform_reduce_grad`)
+            per = where(run.pp > 1, one, ga)
+            out.append(_term(run, "all-gather", "dp", ag_dtype, n, gathered, per, seg, window="fwd",
                              tail=unit_tail, per_mb=True,
-                             note=f"{label}params: FSDP2 all-gather in forward, kept for backward, every micro-batch"))
-            out.append(_term(run, "reduce-scatter", "dp", r.grad_dtype, n, grads, ga, seg, window="bwd",
+                             note=f"{label}params: FSDP2 all-gather in forward, kept for backward, every micro-batch"
+                                  " (one logical call of the whole buffer)"))
+            out.append(_term(run, "reduce-scatter", "dp", r.grad_dtype, n, grads, per, seg, window="bwd",
                              tail=_tail(unit * gb, grads), per_mb=True,
-                             note=f"{pre}: FSDP2 reduce-scatter every micro-batch"))
+                             note=f"{pre}: FSDP2 reduce-scatter every micro-batch (one logical call)"))
         else:  # ZeRO-3: FSDP2 default / DeepSpeed stage3.py / Megatron FSDP
             bwd_gather = bwd_gathered if prof == "torch" else gathered
             rs_tail = _tail(bucket, grads) if prof == "deepspeed" else _tail(unit * gb, grads)
-            out.append(_term(run, "all-gather", "dp", ag_dtype, n, gathered, ga, seg, window="fwd",
+            # torch under pipelining (see _fsdp2_terms): one gather of every unit per step plus one more of the
+            # layers per micro-batch, and one reduce-scatter per step
+            first_calls = where(run.pp > 1, one, ga) if prof == "torch" else ga
+            out.append(_term(run, "all-gather", "dp", ag_dtype, n, gathered, first_calls, seg, window="fwd",
                              tail=unit_tail, per_mb=True,
-                             note=f"{label}params: all-gather in forward every micro-batch (prefetched)"))
+                             note=f"{label}params: all-gather in forward every micro-batch (prefetched)"
+                                  + (" (one logical call of the whole buffer)" if prof == "torch" else "")))
             out.append(_term(run, "all-gather", "dp", ag_dtype, n, bwd_gather, ga, seg, window="bwd",
                              tail=_tail(unit * agb, bwd_gather), per_mb=True,
                              note=f"{label}params: all-gather again in backward every micro-batch"
                                   + (" (FSDP2 root stays unsharded after forward)" if prof == "torch" else "")))
-            out.append(_term(run, "reduce-scatter", "dp", r.grad_dtype, n, grads, ga, seg, window="bwd",
+            out.append(_term(run, "reduce-scatter", "dp", r.grad_dtype, n, grads, first_calls, seg, window="bwd",
                              tail=rs_tail, per_mb=True, note=f"{pre}: reduce-scatter every micro-batch"))
+    return out
+
+
+def _fsdp2_terms(run: Run, stage: Num, n: Num, seg: list[tuple[Num, Num]], ag_dtype: str, unit: Num) -> list[_Term]:
+    """torch FSDP2, one `fully_shard` unit per transformer layer plus the root unit (embedding, final norm, LM
+    head; memcalc/validate/parallelize.py `apply_fsdp`, torchtitan), counted call by call.
+
+    Bytes of one call: FSDP2 all-gathers (reduce-scatters) one flat buffer per unit holding every tensor of the
+    unit with dim 0 padded to a multiple of the shard group n (torch/distributed/fsdp/_fully_shard/
+    _fsdp_param.py `_init_sharded_param`, _fsdp_collectives.py `foreach_all_gather` / `foreach_reduce`):
+    n * sum(ceil(dim0 / n) * row) elements.
+    Calls, with m micro-batches and L_s layers on the stage:
+    - pp = 1, ZeRO-3: each layer is gathered in forward and again in backward (reshard_after_forward=True),
+      the root once per micro-batch (reshard_after_forward=None: False for the root; re-gathered after the
+      post-backward reshard); one reduce-scatter per unit per micro-batch (no no_sync in the torch recipe).
+    - pp = 1, ZeRO-2 (reshard_after_forward=False): one gather and one reduce-scatter per unit per micro-batch.
+    - pp > 1 (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`): every backward runs with
+      set_reshard_after_backward(False) and set_requires_gradient_sync(False); `perform_reduce_grad` reshards and
+      reduce-scatters once per step. A layer stays gathered from a backward to the next forward, so under
+      ZeRO-3 it is gathered m + 1 times per step whatever the schedule (2m forward/backward passes, m - 1 of them
+      right after a backward); ZeRO-2 and the root unit once per step. Measured (memcalc validate, PP2 x FSDP2,
+      m = 2 and 4, 1F1B and GPipe)."""
+    r = run.recipe
+    ga = run.grad_accum
+    agb, gb = DTYPE_BYTES[ag_dtype], DTYPE_BYTES[r.grad_dtype]
+    layers = stage_layers(run.model, run.pp, stage)
+    blk = _scaled(run, padded_shard_elems(layer_tensor_shapes(run), n) * n)
+    root = _scaled(run, padded_shard_elems(root_tensor_shapes(run, stage), n) * n)
+    has_root = where(root > 0, 1, 0)
+    pp_on = run.pp > 1
+    per_step = where(pp_on, 1 + 0 * ga, ga)  # units gathered / reduced once per micro-batch (pp = 1) or step
+    z3 = run.zero >= 3
+    # exposure as for the whole buffer: the first (largest) unit cannot overlap (see _totals)
+    ag_tail = _tail(unit * agb, (layers * blk + root) * agb)
+    rs_tail = _tail(unit * gb, (layers * blk + root) * gb)
+    out = [
+        _term(run, "all-gather", "dp", ag_dtype, n, blk * agb, layers * (ga if z3 else per_step), seg,
+              window="fwd", tail=ag_tail, per_mb=True,
+              note="params: all-gather of each layer's fully_shard unit in forward, one call per layer per "
+                   "micro-batch" + ("" if z3 else " (kept for backward; pp > 1: once per step)")),
+        _term(run, "all-gather", "dp", ag_dtype, n, root * agb, has_root * per_step, seg, window="fwd",
+              tail=ag_tail, per_mb=True,
+              note="root unit (embedding, final norm, LM head) params: one all-gather per micro-batch (pp > 1: "
+                   "per step), kept for backward"),
+        _term(run, "reduce-scatter", "dp", r.grad_dtype, n, blk * gb, layers * per_step, seg, window="bwd",
+              tail=rs_tail, per_mb=True,
+              note="grads: reduce-scatter of each layer's unit every micro-batch (pp > 1: once per step)"),
+        _term(run, "reduce-scatter", "dp", r.grad_dtype, n, root * gb, has_root * per_step, seg, window="bwd",
+              tail=rs_tail, per_mb=True,
+              note="root unit grads: reduce-scatter every micro-batch (pp > 1: once per step)"),
+    ]
+    if z3:
+        out.insert(1, _term(run, "all-gather", "dp", ag_dtype, n, blk * agb, layers * where(pp_on, 1 + 0 * ga, ga),
+                            seg, window="bwd", tail=ag_tail, per_mb=True,
+                            note="params: all-gather of each layer's unit again in backward every micro-batch "
+                                 "(pp > 1: m + 1 gathers per layer per step in all)"))
     return out
 
 
@@ -376,22 +508,41 @@ def _tensor_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
         out.append(_term(run, op, "tp", dtype, t, s, per_mb * ga, seg, window=win, note=note, per_mb=True))
 
     if run.profile == "torch":
-        # DTensor ColwiseParallel / RowwiseParallel with unfused q, k, v and gate, up (validation-findings):
-        # forward: o and down all-reduce (2/layer); backward: one all-reduce of the input grad per
-        # column-parallel linear (3 + 2 SwiGLU or 3 + 1 GELU per layer); non-reentrant checkpointing replays one
-        # all-reduce per layer (early stop). Derived, not measured: with SequenceParallel the module-level input
-        # redistribution makes it 2 all-gathers + 2 reduce-scatters per layer each way.
+        # DTensor ColwiseParallel / RowwiseParallel with unfused q, k, v and gate, up (validation-findings;
+        # memcalc/validate/parallelize.py `apply_tp`, torchtitan's plan). Dtypes (`_stream_dtype`): a linear's output
+        # is in the compute dtype C, the embedding output, the norms' outputs and their gradients in the
+        # residual-stream dtype S (the param dtype under torch.autocast). Measured per layer and micro-batch:
+        # - no SP: forward, the o and down outputs are all-reduced (2, C); backward, the input gradient of every
+        #   column-parallel linear (3 + 2 SwiGLU or 3 + 1 GELU, S: the reduction runs at the module boundary,
+        #   after the autocast cast's backward); non-reentrant checkpointing replays one forward all-reduce per
+        #   layer (the o output: it stops early once the saved tensors are rebuilt);
+        # - SP: forward, the norm outputs are all-gathered (2, S) and the o / down outputs reduce-scattered (2, C);
+        #   backward the reverse (2 all-gathers C, 2 reduce-scatters S); recompute replays 2 all-gathers (S) and
+        #   1 reduce-scatter (C) per layer.
         n_col = 3 + (2 if m.mlp == "swiglu" else 1)
+        sdt, sb = _stream_dtype(run)
+        s_s = (run.seq // run.cp) * run.micro_batch * m.hidden * sb  # one activation in the stream dtype
+        rec = run.training.recompute == "full"
         if not run.sp:
-            add("all-reduce", s_h, layers * (2 + n_col) + rc,
-                f"layers: {2} fwd + {n_col} bwd all-reduces per layer" + (", +1 per recomputed layer" if
-                                                                           run.training.recompute == "full" else ""))
-            add("all-reduce", s_h, first + last, "embedding output (fwd) and LM-head input grad (bwd)")
+            add("all-reduce", s_h, layers * 2 + rc,
+                "layers: 2 fwd all-reduces per layer (o, down outputs)" + (", +1 per recomputed layer" if rec
+                                                                          else ""))
+            add("all-reduce", s_s, layers * n_col,
+                f"column-parallel input grads: {n_col} bwd all-reduces per layer", sdt)
+            add("all-reduce", s_s, first + last, "embedding output (fwd) and LM-head input grad (bwd)", sdt)
         else:
-            add("all-gather", s_h, layers * 4 + rc * 2, "layers (SP): 2 fwd + 2 bwd all-gathers per layer")
-            add("reduce-scatter", s_h, layers * 4 + rc, "layers (SP): 2 fwd + 2 bwd reduce-scatters per layer")
-            add("reduce-scatter", s_h, first + last, "SP: embedding output (fwd), LM-head input grad (bwd)")
-            add("all-gather", s_h, first + last, "SP: embedding grad (bwd), LM-head input (fwd)")
+            add("all-gather", s_s, layers * 2 + rc * 2,
+                "layers (SP): 2 fwd all-gathers per layer (norm outputs)" + (", +2 per recomputed layer" if rec
+                                                                             else ""), sdt)
+            add("all-gather", s_h, layers * 2, "layers (SP): 2 bwd all-gathers per layer (o, down output grads)")
+            add("reduce-scatter", s_h, layers * 2 + rc,
+                "layers (SP): 2 fwd reduce-scatters per layer (o, down outputs)" + (", +1 per recomputed layer"
+                                                                                    if rec else ""))
+            add("reduce-scatter", s_s, layers * 2, "layers (SP): 2 bwd reduce-scatters per layer (norm output grads)",
+                sdt)
+            add("reduce-scatter", s_s, first + last, "SP: embedding output (fwd), LM-head input grad (bwd)", sdt)
+            add("all-gather", s_s, first + last, "SP: embedding grad (bwd), LM-head input (fwd)", sdt)
+            out.append(_sp_norm_grads_torch(run, stage, seg))
         v = padded_vocab(m, run.profile, t)
         logits = (run.seq // run.cp) * run.micro_batch * v * ab
         add("all-gather", logits, last, "logits gathered to every TP rank (ColwiseParallel LM head, no loss_parallel)")
@@ -415,17 +566,59 @@ def _tensor_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
     return out
 
 
+_OPT_GRAD_READS = {"adam": 3, "adamw": 3, "adam-8bit": 3, "adafactor": 3, "sgd": 1, "sgd-momentum": 1, "lion": 2}
+
+
+def _sp_norm_grads_torch(run: Run, stage: Num, seg: list[tuple[Num, Num]]) -> _Term:
+    """torch SP: the norms run under `SequenceParallel` (Replicate weights, Shard(1) inputs), so the weight (and
+    bias) gradient is a Partial DTensor: a sum over this rank's sequence shard. Without FSDP2 nothing reduces it
+    in backward; every optimizer op that reads the grad redistributes it to Replicate, one all-reduce each
+    (measured: AdamW / Adam 3 per tensor, foreach or not: lerp_(grad) and addcmul_(grad, grad); SGD with or
+    without momentum 1; torch.optim.Adafactor 3; Lion 2 and 8-bit Adam 3 by the same reads, not measured),
+    in the dtype the optimizer sees (the fp32 master copy's grad when there is one). Under FSDP2
+    (`FSDPParam._get_grad_inner_tensor`, torch/distributed/fsdp/_fully_shard/_fsdp_param.py) the unsharded grad is
+    redistributed to the param's TP placement once per micro-batch before the reduce-scatter, in FSDP2's param
+    dtype. Tensors: 2 norms per trainable layer + the final norm on the last stage, weight (+ bias for
+    LayerNorm)."""
+    m, t = run.model, run.training
+    r = run.recipe
+    ga = run.grad_accum
+    nrm = 2 if m.norm == "layernorm" else 1
+    layers = stage_layers(m, run.pp, stage)
+    if t.freeze:
+        from memcalc.specs import freeze_layers
+
+        start = stage_first_layer(m, run.pp, stage)
+        layers = layers - imin(imax(freeze_layers(t) - start, 0), layers)
+    tensors = nrm * (2 * layers + where(stage == run.pp - 1, 1, 0))
+    if t.lora_rank is not None:  # LoRA: the norms are frozen, no grads
+        tensors = 0 * tensors
+    fsdp = _fsdp_on(run)
+    opt_dtype = "fp32" if r.master_weights else r.grad_dtype
+    fsdp_dtype = r.compute_dtype if r.compute_copy else r.param_dtype
+    b = where(fsdp, DTYPE_BYTES[fsdp_dtype], DTYPE_BYTES[opt_dtype]) * m.hidden
+    calls = tensors * where(fsdp, ga, _OPT_GRAD_READS[t.optimizer] + 0 * ga)
+    return _term(run, "all-reduce", "tp", _label(fsdp, fsdp_dtype, opt_dtype), run.tp, b, calls, seg,
+                 note="SP: Partial grads of the replicated norm weights, all-reduced by DTensor (per optimizer "
+                      "read of the grad; under FSDP2 once per micro-batch)")
+
+
 def _pipeline(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
     m, pp, v = run.model, run.pp, run.vpp
     ga = run.grad_accum
-    act = run.recipe.compute_dtype
-    s = (run.seq // run.cp) * run.micro_batch * m.hidden * DTYPE_BYTES[act]
+    # the residual stream crosses the stage boundary: the param dtype under torch.autocast (`_stream_dtype`;
+    # measured: PP with AMP bf16 sends fp32), else the compute dtype
+    act, ab = _stream_dtype(run)
+    s = (run.seq // run.cp) * run.micro_batch * m.hidden * ab
     if run.sp:
         s = s // run.tp
     first = where(stage == 0, 1, 0)
     last = where(stage == pp - 1, 1, 0)
     # device d holds model chunks d, d+pp, ...: it sends activations forward for every chunk but the model's
-    # last and gradients backward for every chunk but the model's first (Narayanan et al. 2021 sec. 2.2.2)
+    # last and gradients backward for every chunk but the model's first (Narayanan et al. 2021 sec. 2.2.2).
+    # A transfer is counted once, by the rank that sends it (its `bytes_per_step` are bytes sent); the matching
+    # receives are the neighbours' sends (torch.distributed.pipelining: one isend per activation / gradient,
+    # `_batch_p2p`; measured).
     sends = 2 * v - first - last
     seg = [(st["pp"], pp)]
     out = [_term(run, "send/recv", "pp", act, pp, s, sends * ga, seg, kind="pair", per_mb=True,
@@ -556,10 +749,23 @@ def collectives(run: Run, stage: int | None = None) -> list[Collective]:
     lat = run.hardware.latency_s
     ga = int(run.grad_accum)
     out: list[Collective] = []
+    seen: dict[tuple[Any, ...], int] = {}
     for t in stage_terms(run, stage):
         calls = int(t.calls)
         if calls == 0:
             continue
+        # terms that differ only in their calls (ZeroRedundancyOptimizer's per-tensor broadcasts of equal size)
+        # are one line
+        key = (t.op, t.group, int(t.n), t.dtype, int(t.s), t.note, t.window, bool(t.intra))
+        if key in seen:
+            i = seen[key]
+            c = out[i]
+            out[i] = dataclasses.replace(c, calls_per_step=c.calls_per_step + calls,
+                                         calls_per_micro_batch=(c.calls_per_step + calls) / ga,
+                                         bytes_per_step=c.bytes_per_step + int(t.bytes_per_step),
+                                         seconds_per_step=c.seconds_per_step + t.seconds(lat))
+            continue
+        seen[key] = len(out)
         out.append(Collective(
             op=t.op,
             group=t.group,

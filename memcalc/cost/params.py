@@ -249,34 +249,35 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
                       frozen)
 
 
-def stage_tensor_shapes(run: Run, stage: Num) -> list[tuple[Num, Num, Num]]:
-    """(dim0, elements per dim0 row, count) of every parameter tensor held by one rank of `stage` after TP
-    sharding (array-polymorphic: a count of 0 marks a tensor the stage does not hold). FSDP2 shards each tensor
-    along dim 0 and pads dim 0 to a multiple of the shard group (torch/distributed/fsdp/_fully_shard/
-    _fsdp_param.py `_init_sharded_param`), so its shards are sum(count * ceil(dim0 / D) * row) elements."""
+def layer_tensor_shapes(run: Run) -> list[tuple[Num, Num, Num]]:
+    """(dim0, elements per dim0 row, count) of the parameter tensors of one transformer layer after TP sharding."""
     m, tp = run.model, run.tp
     h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
-    n_layers = stage_layers(m, run.pp, stage)
     nrm = 2 if m.norm == "layernorm" else 1
-    shapes: list[tuple[Num, Num, Num]] = []
-    if m.moe is None:
-        n_in = 2 if m.mlp == "swiglu" else 1
-        per_layer = [
-            (a * d // tp, h, 1), (g * d // tp, h, 2), (h, a * d // tp, 1),  # q; k, v; o (row-parallel: dim0 = h)
-            (m.ffn // tp, h, n_in), (h, m.ffn // tp, 1),  # gate/up (or fc); down
-            (h, 1, 2 * nrm),  # two norms (weight, + bias for LayerNorm)
-        ]
-        if m.qkv_bias:
-            per_layer += [(a * d // tp, 1, 1), (g * d // tp, 1, 2)]
-        if m.linear_bias:
-            per_layer += [(h, 1, 1), (m.ffn // tp, 1, n_in), (h, 1, 1)]
-        shapes += [(d0, row, c * n_layers) for d0, row, c in per_layer]
-    else:  # MoE: one flat tensor per layer (an approximation: FSDP2 pads per tensor, here few large ones)
+    if m.moe is not None:  # MoE: one flat tensor per layer (an approximation: FSDP2 pads per tensor)
         dense_l, expert_l = layer_params(m, tp, run.ep)
-        shapes.append((dense_l + expert_l, 1, n_layers))
+        return [(dense_l + expert_l, 1, 1)]
+    n_in = 2 if m.mlp == "swiglu" else 1
+    per_layer = [
+        (a * d // tp, h, 1), (g * d // tp, h, 2), (h, a * d // tp, 1),  # q; k, v; o (row-parallel: dim0 = h)
+        (m.ffn // tp, h, n_in), (h, m.ffn // tp, 1),  # gate/up (or fc); down
+        (h, 1, 2 * nrm),  # two norms (weight, + bias for LayerNorm)
+    ]
+    if m.qkv_bias:
+        per_layer += [(a * d // tp, 1, 1), (g * d // tp, 1, 2)]
+    if m.linear_bias:
+        per_layer += [(h, 1, 1), (m.ffn // tp, 1, n_in), (h, 1, 1)]
+    return per_layer
+
+
+def root_tensor_shapes(run: Run, stage: Num) -> list[tuple[Num, Num, Num]]:
+    """The stage's tensors outside the layers (FSDP2's root unit): embedding (+ learned positions) on the first
+    stage, final norm and LM head on the last (a count of 0 where the stage does not hold one)."""
+    m, tp, h = run.model, run.tp, run.model.hidden
+    nrm = 2 if m.norm == "layernorm" else 1
     rows_v = cdiv(padded_vocab(m, run.profile, tp), tp)
     first, last = where(stage == 0, 1, 0), where(stage == run.pp - 1, 1, 0)
-    shapes.append((rows_v, h, first))
+    shapes: list[tuple[Num, Num, Num]] = [(rows_v, h, first)]
     if m.positions == "learned":
         shapes.append((m.max_positions, h, first))
     shapes.append((h, 1, nrm * last))
@@ -285,12 +286,28 @@ def stage_tensor_shapes(run: Run, stage: Num) -> list[tuple[Num, Num, Num]]:
     return shapes
 
 
+def stage_tensor_shapes(run: Run, stage: Num) -> list[tuple[Num, Num, Num]]:
+    """(dim0, elements per dim0 row, count) of every parameter tensor held by one rank of `stage` after TP
+    sharding (array-polymorphic: a count of 0 marks a tensor the stage does not hold). FSDP2 shards each tensor
+    along dim 0 and pads dim 0 to a multiple of the shard group (torch/distributed/fsdp/_fully_shard/
+    _fsdp_param.py `_init_sharded_param`), so its shards are sum(count * ceil(dim0 / D) * row) elements."""
+    n_layers = stage_layers(run.model, run.pp, stage)
+    shapes = [(d0, row, c * n_layers) for d0, row, c in layer_tensor_shapes(run)]
+    return shapes + root_tensor_shapes(run, stage)
+
+
+def padded_shard_elems(shapes: list[tuple[Num, Num, Num]], degree: Num) -> Num:
+    """Elements of one rank's FSDP2 shard of the given tensors: each dim 0 padded to a multiple of `degree`."""
+    total = 0
+    for d0, row, c in shapes:
+        total = total + c * cdiv(d0, degree) * row
+    return total
+
+
 def fsdp_shard_elems(run: Run, stage: Num, degree: Num) -> Num:
     """Elements of one rank's FSDP2 shard of `stage` (per-tensor dim-0 padding; see stage_tensor_shapes).
     With `--params N` the padding is computed on the reference shape and the total scaled to N."""
-    total = 0
-    for d0, row, c in stage_tensor_shapes(run, stage):
-        total = total + c * cdiv(d0, degree) * row
+    total = padded_shard_elems(stage_tensor_shapes(run, stage), degree)
     m = run.model
     if m.params_override is not None:
         return muldiv(total, m.params_override, shape_params(m))

@@ -170,7 +170,9 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
     z = run.zero
     pb, gb = DTYPE_BYTES[r.param_dtype], DTYPE_BYTES[r.grad_dtype]
 
-    params = pb * (param_shard(dense, expert) if z >= 3 else n)
+    # FSDP2's ZeRO-2-like mode (reshard_after_forward=False) also keeps only the parameter shard between steps;
+    # the unsharded copy is a forward/backward buffer (memcalc/cost/buffers.py `fsdp_unsharded_params`)
+    params = pb * (param_shard(dense, expert) if (z >= 3 or (z == 2 and run.profile == "torch")) else n)
     frozen = frozen_bytes(run, split.frozen_linear, split.frozen_linear_rows, split.frozen_linear_matrices,
                           split.frozen_other)
     # frozen weights have nothing for ZeRO-1/2 to shard; ZeRO-3 / FSDP2 shards them like any parameter

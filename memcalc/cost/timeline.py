@@ -28,7 +28,7 @@ from memcalc.cost.activations import stage_activations
 from memcalc.cost.buffers import stage_buffers
 from memcalc.cost.states import ModelStates, model_states
 from memcalc.specs import Run
-from memcalc.xp import imax, where
+from memcalc.xp import cdiv, imax, imin, muldiv, where
 
 Num = Any
 
@@ -74,53 +74,106 @@ class StageMemory:
         return peak
 
 
+def _total(live: dict[str, Num]) -> Num:
+    t = 0
+    for v in live.values():
+        t = t + v
+    return t
+
+
+def _highest(*moments: dict[str, Num]) -> dict[str, Num]:
+    """The moment with the most bytes live, elementwise (array-polymorphic; the first wins ties)."""
+    best = moments[0]
+    for m in moments[1:]:
+        win = _total(m) > _total(best)
+        best = {k: where(win, m[k], best[k]) for k in best}
+    return best
+
+
+def _first_grads(run: Run, stage: Num) -> Num:
+    """Gradient bytes allocated when the first layer's backward reaches its highest moment, where gradients are
+    not persistent: the LM head's and final norm's (last stage) and the layer's down projection (the first
+    weight gradient of a layer's backward). Frozen weights (LoRA, --freeze) produce none."""
+    from memcalc.cost.params import head_params, norm_params
+    from memcalc.specs import DTYPE_BYTES
+
+    t, m = run.training, run.model
+    if t.lora_rank is not None or t.freeze:
+        return 0
+    # FSDP2: these are unsharded gradients, a buffer until their reduce-scatter (buffers.py)
+    fsdp = 1 if (run.profile == "torch" and run.zero >= 2) else 0
+    gb = DTYPE_BYTES[run.recipe.grad_dtype] * where(run.shard_degree > 1, 1 - fsdp, 1)
+    head = where(stage == run.pp - 1, head_params(m, run.profile, run.tp) + norm_params(m), 0)
+    ffn = m.ffn if m.moe is None else m.moe.expert_ffn
+    down = m.hidden * cdiv(ffn, run.tp)
+    if m.params_override is not None:
+        from memcalc.cost.params import shape_params
+
+        return gb * muldiv(head + down, m.params_override, shape_params(m))
+    return gb * (head + down)
+
+
 def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
     s = model_states(run, stage)
     act = stage_activations(run, stage)
 
-    buf_fwd = buf_bwd = buf_opt = 0
+    bufs = stage_buffers(run, stage)
     buffers_detail: dict[str, Num] = {}
-    for name, b in stage_buffers(run, stage).items():
+    at: dict[str, Num] = {}
+    for name, b in bufs.items():
         buffers_detail[name] = b.bytes
-        if "forward" in b.phases:
-            buf_fwd = buf_fwd + b.bytes
-        if "backward" in b.phases:
-            buf_bwd = buf_bwd + b.bytes
-        if "optimizer" in b.phases:
-            buf_opt = buf_opt + b.bytes
+        for ph in b.phases:
+            at[ph] = at.get(ph, 0) + b.bytes
+
+    def buf(phase: str) -> Num:
+        return at.get(phase, 0)
 
     grads = s.grads + s.grads_fp32
     params, master, opt = s.params, s.master_weights, s.optimizer
-    if s.grads_persistent:
-        fwd_grads = grads
-        bwd_grads = grads
-        bwd_act = act.backward_first_bytes
-    else:
-        fwd_grads = 0 * grads
-        # first backward starts with no gradients; a later one with all of them (see module docstring)
-        first_wins = act.backward_first_bytes >= act.backward_later_bytes + grads
-        bwd_act = where(first_wins, act.backward_first_bytes, act.backward_later_bytes)
-        bwd_grads = where(first_wins, 0 * grads, grads)
+    zero = 0 * grads
 
+    def moment(g: Num, a: Num, b: Num) -> dict[str, Num]:
+        return {"params": params, "master_weights": master, "grads": g, "optimizer": opt, "activations": a,
+                "buffers": b}
+
+    fwd_grads = grads if s.grads_persistent else zero
+    # forward: the loss (every saved activation + the logits and their fp32 upcast) or, just before it, the
+    # LM head matmul (FSDP2 still holds the last unit's all-gather output there)
+    fwd = _highest(
+        moment(fwd_grads, act.forward_bytes, buf("forward")),
+        moment(fwd_grads, act.forward_head_bytes, buf("forward_head")),
+    )
+    # backward: the loss gradient (start of the first backward), the first layer's backward (loss terms freed,
+    # the layer's gradient transients and the first weight gradients live), the start of a later backward
+    # (fewer or as many activations, all gradients allocated), and the end of backward (FSDP2's root reduce)
+    if s.grads_persistent:
+        first_g, layer_g, later_g = grads, grads, grads
+        later_act = act.backward_first_bytes
+    else:
+        first_g, layer_g, later_g = zero, imin(_first_grads(run, stage), grads), grads
+        later_act = act.backward_later_bytes
+    # later layers of the first backward: each frees one layer's activations (a) and adds one layer's gradients
+    # (g; FSDP2: the sharded ones, plus the previous unit's reduce-scatter input held in flight,
+    # "backward_layer_next"); linear in the layer index, so the second layer and the last bound them all
+    a, n_l = act.layer_freed_bytes, act.layers
+    g = 0 * grads if s.grads_persistent else muldiv(grads, 1, imax(n_l, 1))
+    more = n_l > 1
+    k_last = imax(n_l - 1, 1)
+    bwd = _highest(
+        moment(first_g, act.backward_first_bytes, buf("backward")),
+        moment(layer_g, act.backward_layer_bytes, buf("backward_layer")),
+        moment(layer_g, act.backward_post_bytes, buf("backward_post")),
+        moment(layer_g + where(more, g, 0), act.backward_layer_bytes - where(more, a, 0),
+               buf("backward_layer") + where(more, buf("backward_layer_next"), 0)),
+        moment(layer_g + where(more, k_last * g, 0), act.backward_layer_bytes - where(more, k_last * a, 0),
+               buf("backward_layer") + where(more, buf("backward_layer_next"), 0)),
+        moment(later_g, later_act, buf("backward")),
+        moment(grads, zero, buf("backward_end")),
+    )
     phases = (
-        Phase(
-            "forward",
-            {"params": params, "master_weights": master, "grads": fwd_grads, "optimizer": opt,
-             "activations": act.forward_bytes, "buffers": buf_fwd},
-            _FWD_NOTE,
-        ),
-        Phase(
-            "backward",
-            {"params": params, "master_weights": master, "grads": bwd_grads, "optimizer": opt,
-             "activations": bwd_act, "buffers": buf_bwd},
-            _BWD_NOTE,
-        ),
-        Phase(
-            "optimizer",
-            {"params": params, "master_weights": master, "grads": grads, "optimizer": opt,
-             "activations": 0 * grads, "buffers": buf_opt},
-            _OPT_NOTE,
-        ),
+        Phase("forward", fwd, _FWD_NOTE),
+        Phase("backward", bwd, _BWD_NOTE),
+        Phase("optimizer", moment(grads, zero, buf("optimizer")), _OPT_NOTE),
     )
     return StageMemory(
         stage=stage,

@@ -68,4 +68,4 @@ def validate(run: Run, *, device: str = "auto", world: str = "real", steps: int 
     }
     from memcalc.cost.estimate import resolved_inputs
 
-    return compare(est, meas, device, tolerance, inputs=resolved_inputs(run), extra=extra)
+    return compare(est, meas, device, tolerance, inputs=resolved_inputs(run), extra=extra, run=run)

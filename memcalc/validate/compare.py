@@ -13,8 +13,11 @@ from typing import Any
 SCHEMA_VERSION = "1.0"
 CATEGORIES = ("params", "master_weights", "grads", "optimizer", "activations", "buffers")
 GPU_ONLY_BUFFERS = ("cublas_workspaces", "te_cublas_workspace")
+# A point-to-point transfer is one `send/recv` of the rank that sends it (the prediction counts the bytes a GPU
+# sends, memcalc/cost/comm.py); the receives a rank posts are its neighbours' sends, reported beside the send/recv
+# row (`measured_recv_calls`, `measured_recv_bytes`) and not compared.
 OPS = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
-       "broadcast": "broadcast", "all_to_all": "all-to-all", "send": "send/recv", "recv": "send/recv"}
+       "broadcast": "broadcast", "all_to_all": "all-to-all", "send": "send/recv"}
 
 
 def rel_error(pred: int, meas: int) -> float | None:
@@ -28,6 +31,12 @@ def verdict(pred: int, meas: int, tol: float) -> str:
         return "exact"
     e = rel_error(pred, meas)
     return "ok" if e is not None and abs(e) <= tol else "miss"
+
+
+def _collective_rows(colls: Any) -> list[dict[str, Any]]:
+    return [{"op": c.op, "group": c.group, "group_size": c.group_size, "dtype": c.dtype,
+             "bytes_per_call": c.bytes_per_call, "calls_per_step": c.calls_per_step,
+             "buffer_bytes_per_step": c.bytes_per_call * c.calls_per_step} for c in colls]
 
 
 def predicted_view(est: Any, device: str) -> dict[str, Any]:
@@ -57,9 +66,7 @@ def predicted_view(est: Any, device: str) -> dict[str, Any]:
         "grads": int(st.get("grads", 0)) + int(st.get("grads_fp32_copy", 0)),
         "optimizer": int(st.get("optimizer_moments", 0)),
     }
-    colls = [{"op": c.op, "group": c.group, "group_size": c.group_size, "dtype": c.dtype,
-              "bytes_per_call": c.bytes_per_call, "calls_per_step": c.calls_per_step,
-              "buffer_bytes_per_step": c.bytes_per_call * c.calls_per_step} for c in est.communication.collectives]
+    colls = _collective_rows(est.communication.collectives)
     return {
         "stage": mem.reported_stage,
         "worst_rank": mem.worst_rank,
@@ -72,6 +79,7 @@ def predicted_view(est: Any, device: str) -> dict[str, Any]:
         "buffers_detail": dict(mem.buffers_detail),
         "set_aside": set_aside,
         "collectives": colls,
+        "collectives_stage": int(est.communication.stage),
         "communication_modelled": bool(est.communication.modelled),
     }
 
@@ -79,6 +87,8 @@ def predicted_view(est: Any, device: str) -> dict[str, Any]:
 def _measured_collectives(meas: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for c in meas["collectives"]:
+        if c["op"] == "recv":
+            continue
         op = OPS.get(c["op"], c["op"])
         a = out.setdefault((op, c["group"]), {"calls": 0, "bytes": 0, "dtypes": set()})
         a["calls"] += c["calls_per_step"]
@@ -97,6 +107,14 @@ def compare_collectives(pred: dict[str, Any], meas: dict[str, Any], world_size: 
         a["bytes"] += int(c["buffer_bytes_per_step"])
         a["dtypes"].add(c["dtype"])
     m = _measured_collectives(meas)
+    recv: dict[str, dict[str, int]] = {}
+    for c in meas["collectives"]:
+        if c["op"] == "recv":
+            a = recv.setdefault(c["group"], {"calls": 0, "bytes": 0})
+            a["calls"] += c["calls_per_step"]
+            a["bytes"] += c["bytes_per_step"]
+    for g in recv:
+        m.setdefault(("send/recv", g), {"calls": 0, "bytes": 0, "dtypes": set()})
     rows = []
     for key in sorted(set(p) | set(m)):
         pp_, mm = p.get(key, {"calls": 0, "bytes": 0, "dtypes": set()}), m.get(key, {"calls": 0, "bytes": 0,
@@ -110,12 +128,24 @@ def compare_collectives(pred: dict[str, Any], meas: dict[str, Any], world_size: 
             "exact": pp_["bytes"] == mm["bytes"] and pp_["calls"] == mm["calls"],
             "bytes_exact": pp_["bytes"] == mm["bytes"],
         })
+        if key[0] == "send/recv" and key[1] in recv:
+            rows[-1]["measured_recv_calls"] = recv[key[1]]["calls"]
+            rows[-1]["measured_recv_bytes"] = recv[key[1]]["bytes"]
     return rows
 
 
 def compare(est: Any, meas: dict[str, Any], device: str, tolerance: float,
-            inputs: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+            inputs: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+            run: Any = None) -> dict[str, Any]:
+    """`run` (the Run behind `est`): compare the collectives of the measured rank's pipeline stage. The
+    Estimate's `communication` describes the stage with the most exposed communication, which under pipelining
+    need not be the measured one."""
     pred = predicted_view(est, device)
+    if run is not None and "stage" in meas:
+        from memcalc.cost.comm import collectives
+
+        pred["collectives"] = _collective_rows(collectives(run, stage=int(meas["stage"])))
+        pred["collectives_stage"] = int(meas["stage"])
     rows: list[dict[str, Any]] = []
 
     def row(section: str, name: str, p: int, m: int) -> None:

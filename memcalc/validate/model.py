@@ -26,9 +26,38 @@ from torch.utils.checkpoint import checkpoint
 from memcalc.specs import ModelSpec
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """y = x * rstd * w with rstd = rsqrt(mean(x^2) + eps) in fp32, saving only (x, rstd): what the CUDA kernel
+    behind nn.RMSNorm (`aten._fused_rms_norm`, torch >= 2.8) and Apex / Transformer Engine fused norms keep for
+    backward. On CPU torch runs the composite pow/mean/rsqrt/mul path instead, which also saves x * rstd."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, w)
+        return (x.float() * rstd).to(x.dtype) * w
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> Any:
+        x, rstd, w = ctx.saved_tensors
+        xhat = x.float() * rstd
+        gw = (gy.float() * xhat).sum(dim=tuple(range(gy.dim() - 1))).to(w.dtype)
+        g = gy.float() * w.float()
+        gx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        return gx.to(x.dtype), gw, None
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm with the saved tensors of its fused CUDA kernel on every device (see `_FusedRMSNorm`); the cost
+    model counts the input and the fp32 rstd (memcalc/cost/activations.py `_fp32_norm_stats`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FusedRMSNorm.apply(x, self.weight, self.eps)
+
+
 def _norm(m: ModelSpec) -> nn.Module:
     if m.norm == "rmsnorm":
-        return nn.RMSNorm(m.hidden, eps=1e-6)
+        return RMSNorm(m.hidden, eps=1e-6)
     return nn.LayerNorm(m.hidden, eps=1e-5)
 
 
@@ -73,13 +102,14 @@ class Attention(nn.Module):
             probs = F.dropout(probs, p)
         return torch.matmul(probs, v)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q(x).view(b, s, -1, self.d).transpose(1, 2)
         k = self.k(x).view(b, s, -1, self.d).transpose(1, 2)
         v = self.v(x).view(b, s, -1, self.d).transpose(1, 2)
         if self.rotary:
-            cos, sin = rotary_cos_sin(s, self.d, x.device, q.dtype)
+            assert rope is not None
+            cos, sin = rope
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         if self.selective:
@@ -123,8 +153,8 @@ class Block(nn.Module):
         self.norm2 = _norm(m)
         self.mlp = MLP(m, dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope)
         return x + self.mlp(self.norm2(x))
 
 
@@ -168,8 +198,8 @@ class Checkpointed(nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.block, x, use_reentrant=False)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return checkpoint(self.block, x, rope, use_reentrant=False)
 
 
 class GPT(nn.Module):
@@ -185,15 +215,25 @@ class GPT(nn.Module):
             blk = Block(m, kernel, dropout, selective=recompute == "selective" and i < n_ckpt)
             blocks.append(Checkpointed(blk) if recompute == "full" and i < n_ckpt else blk)
         self.layers = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+        self.rotary = m.positions == "rotary"
+        self.head_dim = m.head_dim
         self.head: nn.Module | None = Head(m)
         if m.tied_embeddings:
             self.head.out.weight = self.embed.tok.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1]  # token ids (first stage) or the received activations: the full sequence either way
         if self.embed is not None:
             x = self.embed(x)
+        rope = None
+        if self.rotary and len(self.layers):
+            # once per forward and shared by every layer (HF LlamaModel's position_embeddings; torchtitan's
+            # freqs_cis): the cost model's `rotary_cos_sin`, one pair per micro-batch per stage, in the dtype of
+            # q and k (the autocast dtype under AMP).
+            dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+            rope = rotary_cos_sin(seq, self.head_dim, x.device, dt)
         for blk in self.layers.values():
-            x = blk(x)
+            x = blk(x, rope)
         if self.head is not None:
             x = self.head(x)
         return x

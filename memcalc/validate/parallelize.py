@@ -122,7 +122,8 @@ def apply_tp(model: GPT, tp_mesh: Any, sp: bool) -> None:
         if sp:
             plan["norm1"] = SequenceParallel()
             plan["norm2"] = SequenceParallel()
-            plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            # (x, rope): the rotary cos/sin are plain tensors shared by all layers (memcalc/validate/model.py)
+            plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
             plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(b, tp_mesh, plan)
     _replicate_rest(model, tp_mesh)
