@@ -2,9 +2,9 @@
 
 Op by op (what autograd saves is what the activation model must count; see docs/validation.md):
 - embedding `tok` (V x h), optional learned positions `pos` (max_positions x h), added;
-- per block: `norm1` (nn.RMSNorm / nn.LayerNorm) -> q, k, v (separate nn.Linear, GQA-sized k/v) -> rotary on q, k
-  (rotate-half form, cos/sin computed in the forward in the activation dtype) -> attention core (SDPA with
-  is_causal and enable_gqa for `flash`; matmul + causal mask + softmax + matmul for `eager`, k/v repeated for
+- per block: `norm1` (RMSNorm with the fused kernel's saved tensors / nn.LayerNorm) -> q, k, v (separate
+  nn.Linear, GQA-sized k/v) -> rotary on q, k (rotate-half form, cos/sin computed once per forward in the
+  activation dtype) -> attention core (SDPA with is_causal and enable_gqa for `flash`; matmul + causal mask + softmax + matmul for `eager`, k/v repeated for
   GQA) -> o -> residual add -> `norm2` -> MLP (SwiGLU: down(silu(gate(x)) * up(x)); GELU: proj(gelu_tanh(fc(x))))
   -> residual add; dropout (when > 0) after o, after the MLP and on the attention probabilities;
 - final norm, LM head (tied: shares `tok.weight`), logits in the compute dtype; the loss upcasts them to fp32
