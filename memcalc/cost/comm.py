@@ -34,8 +34,9 @@ Which collectives run, per profile (sources next to each builder below):
   2 + 2 all-gathers and reduce-scatters per layer, and the Partial gradients of the SequenceParallel norms
   all-reduced by DTensor (`_sp_norm_grads_torch`); norm outputs and the residual stream in `_stream_dtype`.
 - pipeline: send/recv of s*b*h (/t with SP) per micro-batch per stage boundary, both directions, vpp times as
-  many with interleaving (Narayanan et al. 2021 sec. 2.2.2), each transfer counted by the rank that sends it; the tied embedding / LM-head gradient all-reduce
-  between the first and last stage (Megatron `_allreduce_word_embedding_grads`).
+  many with interleaving (Narayanan et al. 2021 sec. 2.2.2), each transfer counted by the rank that sends it;
+  the tied embedding / LM-head gradient all-reduce between the first and last stage (Megatron
+  `_allreduce_word_embedding_grads`).
 - context parallel: ring exchange of the local K/V chunk, (cp-1) steps per layer in forward, K/V and dK/dV in
   backward (Transformer Engine `AttnFuncWithCPAndKVP2P`).
 - expert parallel: token all-to-all dispatch + combine per MoE layer, forward and backward (Lepikhin et al. 2020
