@@ -410,8 +410,8 @@ def layer_backward_transient(run: Run) -> Num:
     gradient, net c tok f/t. Derived from the op order of autograd's backward (aten mm / mul / silu_backward;
     measured op by op by the harness, docs/validation.md). The weight gradients are counted by the timeline."""
     m = run.model
-    c, tok, tok_sp, _ = _shape(run)
-    stream = _stream_bytes(run, c) * tok_sp * m.hidden
+    c, tok, _, _ = _shape(run)
+    stream = _residual_grad_bytes(run)
     if m.moe is None:
         tokens, ffn = tok, m.ffn
     else:
@@ -419,6 +419,12 @@ def layer_backward_transient(run: Run) -> Num:
     f_t = cdiv(ffn, run.tp)
     factors = 2 if m.mlp == "swiglu" else 1
     return stream + factors * c * tokens * f_t
+
+
+def _residual_grad_bytes(run: Run) -> Num:
+    """The gradient of the residual stream flowing into a layer's backward: its dtype, sharded like it under SP."""
+    c, _, tok_sp, _ = _shape(run)
+    return _stream_bytes(run, c) * tok_sp * run.model.hidden
 
 
 def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
@@ -532,8 +538,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_later_bytes=held_later + where(total_units > 1, bwd_tr, 0),
         backward_layer_bytes=held - last_saved + at_layer,
         forward_head_bytes=held - last_saved + logits + where(last, _head_saved(run), 0),
-        backward_post_bytes=held - last_saved - unit_bytes // imax(unit_layers, 1)
-        + _stream_bytes(run, c) * _shape(run)[2] * m.hidden,
+        backward_post_bytes=held - last_saved - unit_bytes // imax(unit_layers, 1) + _residual_grad_bytes(run),
         layers=unit_layers,
         layer_freed_bytes=unit_bytes // imax(unit_layers, 1),
         in_flight=units,

@@ -26,6 +26,7 @@ from typing import Any
 
 from memcalc.cost.params import (
     embedding_params,
+    first_backward_grad_elems,
     head_params,
     layer_params,
     layer_tensor_shapes,
@@ -272,9 +273,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     # the first unsharded gradients of backward: the LM head's and final norm's (the root reduce-scatters only
     # at its post-backward, after the embedding: they stay unsharded all through backward) and the first
     # layer's down projection (the first weight gradient of a layer's backward)
-    last = stage == run.pp - 1
-    head_g = where(last, _scaled(run, head_params(m, run.profile, run.tp) + norm_params(m)), 0)
-    down_g = _scaled(run, m.hidden * cdiv(m.ffn if m.moe is None else m.moe.expert_ffn, run.tp))
+    head_g, down_g = first_backward_grad_elems(run, stage)
     out["fsdp_head_grads"] = Buffer(
         where(sharded, muldiv(cb * head_g, share_num, share_den), 0), frozenset({"backward_layer", "backward_post"}),
         "unsharded grads of the LM head and final norm (reduced with the root, at the end of backward)")

@@ -249,6 +249,19 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
                       frozen)
 
 
+def first_backward_grad_elems(run: Run, stage: Num) -> tuple[Num, Num]:
+    """(head, down): parameters whose gradients a stage's backward produces first, per TP rank: the LM head and
+    final norm (last stage only; the tied head's gradient is the embedding's) and one layer's down projection
+    (the first weight gradient of a layer's backward). With `--params N` scaled to N like stage_params."""
+    m = run.model
+    head = where(stage == run.pp - 1, head_params(m, run.profile, run.tp) + norm_params(m), 0)
+    down = m.hidden * cdiv(m.ffn if m.moe is None else m.moe.expert_ffn, run.tp)
+    if m.params_override is None:
+        return head, down
+    full = shape_params(m)
+    return muldiv(head, m.params_override, full), muldiv(down, m.params_override, full)
+
+
 def layer_tensor_shapes(run: Run) -> list[tuple[Num, Num, Num]]:
     """(dim0, elements per dim0 row, count) of the parameter tensors of one transformer layer after TP sharding."""
     m, tp = run.model, run.tp

@@ -5,16 +5,15 @@ Contract used by estimate.py and the planner (array-polymorphic like the rest of
 `stage_memory(run, stage) -> StageMemory` with one `Phase` per moment of the step, each giving the bytes live
 per category at that moment. `allocated_peak` is the elementwise maximum of the phase totals.
 
-Phases (docs/methodology.md, "Timeline"):
-- forward: the end of the last forward before a backward. Model states; gradients only where the framework keeps
-  them allocated between steps (`ModelStates.grads_persistent`: Megatron's and DeepSpeed's contiguous buffers;
-  torch's `zero_grad(set_to_none=True)` frees them); the activations saved by every in-flight micro-batch plus the
-  forward transient (the logits at the loss on the last stage, or context-parallel ring buffers).
-- backward: the highest moment of backward. Within one micro-batch's backward, activations fall and gradients
-  rise roughly linearly, so the maximum is at its start or its end. Candidates: the start of the stage's first
-  backward (all in-flight activations + logits gradient / recompute re-materialisation; gradients only if
-  persistent) and the start of a later backward (fewer or as many activations, all gradients allocated), which
-  also bounds the end of the first one. With persistent gradients the first start is the maximum.
+Phases (docs/methodology.md, "Activations" sec. 7), each the highest of its candidate moments:
+- forward: the loss of the last forward before a backward (held activations + the logits and their fp32 upcast,
+  or context-parallel ring buffers) or the LM head matmul just before it (FSDP2's last all-gather still live).
+  Gradients only where the framework keeps them between steps (`ModelStates.grads_persistent`: Megatron's and
+  DeepSpeed's contiguous buffers; torch's `zero_grad(set_to_none=True)` frees them).
+- backward: the loss gradient; inside the first layer's backward (`activations.layer_backward_transient`, a
+  re-materialised layer, the first weight gradients) and at its end (FSDP2's post-backward); the second and the
+  last layer (each layer frees its activations and adds its gradients, linear in between); the start of a later
+  micro-batch's backward; the end of backward (FSDP2's root reduce-scatter).
 - optimizer: no activations; all gradients and the optimizer's temporaries (buffers).
 Buffers (memcalc/cost/buffers.py) add their bytes to the phases each one names.
 """
@@ -26,9 +25,10 @@ from typing import Any
 
 from memcalc.cost.activations import stage_activations
 from memcalc.cost.buffers import stage_buffers
+from memcalc.cost.params import first_backward_grad_elems
 from memcalc.cost.states import ModelStates, model_states
-from memcalc.specs import Run
-from memcalc.xp import cdiv, imax, imin, muldiv, where
+from memcalc.specs import DTYPE_BYTES, Run
+from memcalc.xp import imax, imin, where
 
 Num = Any
 
@@ -92,24 +92,14 @@ def _highest(*moments: dict[str, Num]) -> dict[str, Num]:
 
 def _first_grads(run: Run, stage: Num) -> Num:
     """Gradient bytes allocated when the first layer's backward reaches its highest moment, where gradients are
-    not persistent: the LM head's and final norm's (last stage) and the layer's down projection (the first
-    weight gradient of a layer's backward). Frozen weights (LoRA, --freeze) produce none."""
-    from memcalc.cost.params import head_params, norm_params
-    from memcalc.specs import DTYPE_BYTES
-
-    t, m = run.training, run.model
+    not persistent (params.first_backward_grad_elems). Frozen weights (LoRA, --freeze) produce none; under FSDP2
+    they are unsharded gradients, a buffer until their reduce-scatter (buffers.py), not a gradient state."""
+    t = run.training
     if t.lora_rank is not None or t.freeze:
         return 0
-    # FSDP2: these are unsharded gradients, a buffer until their reduce-scatter (buffers.py)
     fsdp = 1 if (run.profile == "torch" and run.zero >= 2) else 0
     gb = DTYPE_BYTES[run.recipe.grad_dtype] * where(run.shard_degree > 1, 1 - fsdp, 1)
-    head = where(stage == run.pp - 1, head_params(m, run.profile, run.tp) + norm_params(m), 0)
-    ffn = m.ffn if m.moe is None else m.moe.expert_ffn
-    down = m.hidden * cdiv(ffn, run.tp)
-    if m.params_override is not None:
-        from memcalc.cost.params import shape_params
-
-        return gb * muldiv(head + down, m.params_override, shape_params(m))
+    head, down = first_backward_grad_elems(run, stage)
     return gb * (head + down)
 
 
@@ -156,7 +146,7 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
     # (g; FSDP2: the sharded ones, plus the previous unit's reduce-scatter input held in flight,
     # "backward_layer_next"); linear in the layer index, so the second layer and the last bound them all
     a, n_l = act.layer_freed_bytes, act.layers
-    g = 0 * grads if s.grads_persistent else muldiv(grads, 1, imax(n_l, 1))
+    g = 0 * grads if s.grads_persistent else grads // imax(n_l, 1)
     more = n_l > 1
     k_last = imax(n_l - 1, 1)
     bwd = _highest(
