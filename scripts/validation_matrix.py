@@ -206,6 +206,11 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "torch with the `torch` profile's APIs (memcalc/validate), runs 2 warm-up steps and 1 measured step, and",
            "compares the exact live bytes of the measured rank (a TorchDispatchMode over every storage, with",
            "`UntypedStorage.resize_` wrapped for FSDP2) with `memcalc estimate` for that rank's stage.",
+           "The tracker skips what owns no memory: wrapper tensor subclasses (functional collectives'",
+           "`AsyncCollectiveTensor`, whose placeholder storage has no data) and the global-shape fake tensors DTensor",
+           "builds to propagate shapes (visible under `--device meta`). TP runs use DTensor's `loss_parallel` on",
+           "vocab-sharded logits (torchtitan's default) except under pipelining, whose schedules call the loss on",
+           "plain tensors.",
            "",
            f"- Device: CPU ({platform.machine()}, {platform.system()}), torch {torch_version}, Python "
            f"{platform.python_version()}; every row below ran on the CPU (real gloo worlds, or one rank of a fake "

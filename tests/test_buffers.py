@@ -89,9 +89,12 @@ def test_fsdp2_zero3_working_set():
     root, layer = EMB + 64 + EMB, LAYER
     assert b["fsdp_unsharded_params"].bytes == 2 * root == 256_128  # root kept unsharded, all phases but the step
     assert "optimizer" not in b["fsdp_unsharded_params"].phases
-    # backward: current unit unsharded + the next unit's flat all-gather output (prefetch), bf16
-    assert b["fsdp_backward_working_set"].bytes == 2 * (layer + layer) == 262_656
-    assert b["fsdp_backward_working_set"].phases == {"backward_layer", "backward_post"}
+    # backward: the current unit unsharded, resharded at its post-backward before the reduce-scatter input is
+    # allocated; the next unit's flat all-gather output (prefetch of 1) is live through both moments. bf16
+    assert b["fsdp_backward_working_set"].bytes == 2 * layer == 131_328
+    assert b["fsdp_backward_working_set"].phases == {"backward_layer"}
+    assert b["fsdp_backward_prefetch"].bytes == 2 * layer
+    assert b["fsdp_backward_prefetch"].phases == {"backward_layer", "backward_post"}
     # forward: the last unit's all-gather output is still live at the LM head matmul
     assert b["fsdp_forward_gather"].bytes == 2 * layer and b["fsdp_forward_gather"].phases == {"forward_head"}
     # unsharded bf16 grads: head + final norm (64064) through the backward, the down projection (64*256) first
@@ -110,6 +113,8 @@ def test_fsdp2_zero3_working_set():
     bo = stage_buffers(run(model=odd, gpus=4, zero=3, precision="fp32"))
     root_odd = 1001 * 64 * 2 + 64
     assert bo["fsdp_root_reduce_scatter"].bytes == 4 * root_odd + 4 * (2 * 1004 * 64 + 64)
+    # an unsharded parameter is a view of its own all-gather output (FSDPParam.init_unsharded_param): padded too
+    assert bo["fsdp_unsharded_params"].bytes == 4 * (2 * 1004 * 64 + 64)
     assert stage_units(run(gpus=4, zero=3), 0) == (LAYER, LAYER)
 
 

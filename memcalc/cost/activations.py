@@ -282,15 +282,20 @@ def loss_transients(run: Run) -> tuple[Num, Num]:
     backward a second one for the logits while the saved output is still live (2 x 4 bytes); Megatron computes
     the gradient in place in the saved softmax, then the cast to the compute dtype (c bytes). With a chunked
     loss the fp32 part is one chunk, but the compute-dtype gradient of all logits is assembled (c bytes).
+    torch with TP runs DTensor's `loss_parallel` (torch/distributed/tensor/parallel/loss.py, torchtitan's
+    default) on the vocab shards: its log-softmax keeps the shifted logits and their exp together (one more fp32
+    copy in forward), and its fused nll + log-softmax backward holds `zeros_like`, `exp(x)` and their sum (or the
+    product) at once: 3 x 4 bytes (measured op by op, `memcalc validate`).
     """
     c = DTYPE_BYTES[run.recipe.compute_dtype]
     n = _logit_elems(run)
     n32 = _loss_fp32_elems(run) * _gathered_replicas(run)  # DataParallel: GPU 0 runs the loss for all replicas
     inplace = run.profile == "megatron"
     chunked = run.training.loss == "chunked"
+    dtensor_ce = run.profile == "torch" and run.tp > 1 and not chunked
     # with fp32 logits `.float()` returns the same tensor: no upcast copy
-    fwd = c * n + (0 if (inplace or c == 4) else 4 * n32)
-    bwd = (c * n if (inplace or chunked) else 0) + (0 if inplace else 8 * n32)
+    fwd = c * n + (0 if (inplace or c == 4) else 4 * n32) + (4 * n32 if dtensor_ce else 0)
+    bwd = (c * n if (inplace or chunked) else 0) + (0 if inplace else (12 if dtensor_ce else 8) * n32)
     return fwd, bwd
 
 

@@ -33,6 +33,7 @@ from memcalc.cost.params import (
     matrix_shapes,
     norm_params,
     padded_shard_elems,
+    stage_tensor_shapes,
     root_tensor_shapes,
     shape_params,
     stage_layers,
@@ -244,28 +245,35 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     # the FSDP2 units of this stage: each layer, and the root (embedding, final norm, LM head; apply_fsdp in
     # memcalc/validate/parallelize.py, torchtitan's parallelize_llama). A unit's all-gather output is one flat
     # buffer of D x its padded shard (dim 0 of every tensor padded to a multiple of D, _fsdp_param.py); copy-out
-    # then fills the unpadded unsharded parameters.
+    # then fills each parameter's own all-gather output, also D x its padded shard: the unsharded parameter is an
+    # `as_strided` view of it (`FSDPParam.init_unsharded_param`), so unsharded parameters hold padded storage
+    # while their gradients (allocated by autograd in the parameter's shape) do not.
     m = run.model
     layer = _scaled(run, padded_shard_elems(layer_tensor_shapes(run), 1))
     layer_flat = _scaled(run, d * padded_shard_elems(layer_tensor_shapes(run), d))
     root = imax(n - stage_layers(m, run.pp, stage) * layer, 0)
     root_flat = _scaled(run, d * padded_shard_elems(root_tensor_shapes(run, stage), d))
+    stage_flat = _scaled(run, d * padded_shard_elems(stage_tensor_shapes(run, stage), d))
     share_num, share_den = n_train, imax(n, 1)  # only trainable parameters produce gradients (LoRA / --freeze)
     keep = frozenset({"forward", "forward_head", "backward", "backward_layer", "backward_post", "backward_end"})
     if run.zero == 2:
         # reshard_after_forward=False: every unit stays unsharded from its forward to its post-backward
-        out["fsdp_unsharded_params"] = Buffer(where(sharded, cb * n, 0), keep,
+        out["fsdp_unsharded_params"] = Buffer(where(sharded, cb * stage_flat, 0), keep,
                                               "FSDP2 reshard_after_forward=False: the stage's unsharded params")
     else:
         # ZeRO-3: the root is gathered first and kept (reshard_after_forward=None on the root); each layer is
         # gathered for its forward and again for its backward, resharded after each
-        out["fsdp_unsharded_params"] = Buffer(where(sharded, cb * root, 0), keep,
+        out["fsdp_unsharded_params"] = Buffer(where(sharded, cb * root_flat, 0), keep,
                                               "FSDP2 root unit (embedding, final norm, head), kept unsharded")
         # backward: the current unit unsharded plus the next one's all-gather output (explicit backward
-        # prefetch of 1, _fsdp_param_group.py `_backward_prefetch`)
+        # prefetch of 1, _fsdp_param_group.py `_backward_prefetch`); the post-backward reshards (frees) the
+        # current unit before it allocates the reduce-scatter input (`post_backward`: reshard, then foreach_reduce)
         out["fsdp_backward_working_set"] = Buffer(
-            where(sharded, cb * (layer + layer_flat), 0), frozenset({"backward_layer", "backward_post"}),
-            "FSDP2 current unit unsharded + next unit's all-gather output (backward prefetch)")
+            where(sharded, cb * layer_flat, 0), frozenset({"backward_layer"}),
+            "FSDP2 current unit unsharded (resharded at its post-backward)")
+        out["fsdp_backward_prefetch"] = Buffer(
+            where(sharded, cb * layer_flat, 0), frozenset({"backward_layer", "backward_post"}),
+            "FSDP2 next unit's all-gather output (backward prefetch of 1)")
     # forward: the all-gather output of the last unit is kept (`comm_ctx.all_gather_state`, freed at the next
     # copy-out or at the root's post-forward), i.e. still live at the LM head
     out["fsdp_forward_gather"] = Buffer(where(sharded, cb * layer_flat, 0), frozenset({"forward_head"}),

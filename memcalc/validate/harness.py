@@ -159,8 +159,11 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
         if run.pp > 1:
             model = split_stage(model, coords["pp"], run.pp, run)
         ddp_model = model
+        # vocab-parallel loss under TP (torchtitan's default, Megatron's cross-entropy); the pipelining schedules
+        # call the loss on plain tensors, so a pipelined TP run gathers the logits instead
+        vocab_parallel_loss = run.tp > 1 and run.pp == 1
         if run.tp > 1:
-            apply_tp(model, mesh["tp"], run.sp)
+            apply_tp(model, mesh["tp"], run.sp, loss_parallel=vocab_parallel_loss)
         if fsdp:
             mp = None
             if recipe.compute_copy:
@@ -219,6 +222,13 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                 return torch.autocast(dev_type, dtype=compute_dtype)
             return contextlib.nullcontext()
 
+        def loss_ctx() -> Any:
+            if vocab_parallel_loss:
+                from torch.distributed.tensor.parallel import loss_parallel
+
+                return loss_parallel()
+            return contextlib.nullcontext()
+
         def cuda_mark(name: str, start: bool) -> None:
             if device != "cuda":
                 return
@@ -261,12 +271,13 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                     with sync:
                         tracker.set_phase(pre + "forward")
                         cuda_mark("forward", True)
-                        with amp():
+                        with amp(), loss_ctx():
                             loss = loss_fn(ddp_model(tokens[mb]), targets[mb]) / ga
                         cuda_mark("forward", False)
                         tracker.set_phase(pre + "backward")
                         cuda_mark("backward", True)
-                        loss.backward()
+                        with loss_ctx():
+                            loss.backward()
                         del loss
                         cuda_mark("backward", False)
             if measuring:

@@ -94,6 +94,8 @@ class Tracker(TorchDispatchMode):
         self._next = 0
         self._lock = threading.RLock()
         self._orig_resize = None
+        self._orig_propagate: Any = None
+        self._paused = 0  # > 0 while DTensor propagates shapes on fake global tensors
 
     # -- lifecycle
     def __enter__(self) -> "Tracker":
@@ -107,11 +109,30 @@ class Tracker(TorchDispatchMode):
 
         self._orig_resize = orig
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        # DTensor computes each op's output shape by running it on global-shape fake tensors; under `--device
+        # meta` those share the harness's FakeTensorMode and would be tracked as if allocated: pause meanwhile
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        prop = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def propagate(sp: Any, *a: Any, **kw: Any) -> Any:
+            tracker._paused += 1
+            try:
+                return prop(sp, *a, **kw)
+            finally:
+                tracker._paused -= 1
+
+        self._orig_propagate = prop
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
         if self._orig_resize is not None:
             torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        if self._orig_propagate is not None:
+            from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_propagate  # type: ignore[method-assign]
         return super().__exit__(*exc)
 
     def set_phase(self, phase: str) -> None:
@@ -160,6 +181,10 @@ class Tracker(TorchDispatchMode):
     def track(self, t: torch.Tensor) -> None:
         try:
             st = t.untyped_storage()
+            if type(t) not in (torch.Tensor, torch.nn.Parameter):
+                # a wrapper subclass (functional collectives' AsyncCollectiveTensor) has a placeholder storage
+                # that owns no memory: reading its pointer raises; its inner tensor is tracked on its own
+                st.data_ptr()
         except Exception:  # noqa: BLE001
             return
         self._register(st)
@@ -182,6 +207,8 @@ class Tracker(TorchDispatchMode):
         if ns in ("c10d", "_c10d_functional") and self.counting:
             self._count(func, args, kwargs)
         out = func(*args, **kwargs)
+        if self._paused:
+            return out
         for t in _tensors(out):
             self.track(t)
         if func is torch.ops.aten._to_copy.default and self.param_storages and args:

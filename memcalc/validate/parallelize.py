@@ -85,9 +85,11 @@ def make_mesh(run: Run, device_type: str) -> Any:
     return init_device_mesh(device_type, (run.dp, run.pp, run.tp), mesh_dim_names=("dp", "pp", "tp"))
 
 
-def apply_tp(model: GPT, tp_mesh: Any, sp: bool) -> None:
+def apply_tp(model: GPT, tp_mesh: Any, sp: bool, loss_parallel: bool) -> None:
     """Megatron-style TP: q/k/v, gate/up column-parallel, o/down row-parallel, vocab-parallel embedding and head
-    (torchtitan's Llama plan). With SP the norms run on sequence shards and the block inputs are all-gathered."""
+    (torchtitan's Llama plan). With SP the norms run on sequence shards and the block inputs are all-gathered.
+    With `loss_parallel` the logits stay vocab-sharded (a DTensor) for `torch.distributed.tensor.parallel.
+    loss_parallel` (torchtitan's default; Megatron's vocab-parallel cross-entropy), else they are all-gathered."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -105,7 +107,9 @@ def apply_tp(model: GPT, tp_mesh: Any, sp: bool) -> None:
     if model.head is not None:
         if sp:
             top["head.norm"] = SequenceParallel()
-        top["head.out"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+        top["head.out"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                          output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                          use_local_output=not loss_parallel)
     parallelize_module(model, tp_mesh, top)
     for blk in model.layers.values():
         b = inner_block(blk)
