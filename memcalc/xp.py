@@ -74,3 +74,19 @@ def muldiv(a: Num, b: Num, c: Num) -> Num:
 
     obj = (np.asarray(a, dtype=object) * b) // c
     return np.asarray(obj, dtype=np.int64) if np.ndim(obj) else int(obj)
+
+
+def per_value(fn: Any, *args: Num) -> Num:
+    """fn(*args) for Python ints; for arrays, fn of each distinct combination of the broadcast arguments (for
+    the rare term with no closed form, such as a greedy partition), mapped back elementwise."""
+    if _is_scalar(*args):
+        return fn(*args)
+    import numpy as np
+
+    cols = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in args))
+    if cols[0].ndim == 0:
+        return fn(*(int(c) for c in cols))
+    stacked = np.stack([c.ravel() for c in cols], axis=1)
+    uniq, inv = np.unique(stacked, axis=0, return_inverse=True)
+    vals = np.array([fn(*(int(v) for v in row)) for row in uniq], dtype=np.int64)
+    return vals[inv.ravel()].reshape(cols[0].shape)

@@ -26,17 +26,34 @@ GPT2 = dict(layers=4, hidden=64, heads=4, ffn=256, vocab=512, seq=64, mlp="gelu"
             positions="learned", max_positions=64, bias=True, tied_embeddings=False)
 
 
-def totals(run, stage=0):
-    """{(op, group): (calls, full-buffer bytes)} of one step, as `memcalc validate` compares them."""
+def totals(run, stage=0, skip=None):
+    """{(op, group): (calls, full-buffer bytes)} of one step, as `memcalc validate` compares them (without the
+    collectives whose note contains `skip`)."""
     out: dict[tuple[str, str], tuple[int, int]] = {}
     for c in comm.collectives(run, stage=stage):
+        if skip and skip in c.note:
+            continue
         calls, b = out.get((c.op, c.group), (0, 0))
         out[(c.op, c.group)] = (calls + c.calls_per_step, b + c.bytes_per_call * c.calls_per_step)
     return out
 
 
-def dtypes(run, op, group, stage=0):
-    return {c.dtype for c in comm.collectives(run, stage=stage) if c.op == op and c.group == group}
+def dtypes(run, op, group, stage=0, skip=None):
+    return {c.dtype for c in comm.collectives(run, stage=stage)
+            if c.op == op and c.group == group and not (skip and skip in c.note)}
+
+
+LP = "loss_parallel"  # torch TP's vocab-parallel loss: 3 fp32 all-reduces of one value per token per micro-batch
+
+
+def test_loss_parallel_all_reduces():
+    """Every TP row: loss_parallel all-reduces the max logit, the sum of exp and the target logit, one fp32 value
+    per token: seq 64 x micro-batch 1 x 4 B = 256 B, 3 calls per micro-batch, in forward on the last stage."""
+    t = totals(run_of(**LLAMA, precision="fp32", gpus=2, tp=2))
+    assert t[("all-reduce", "tp")][0] - totals(run_of(**LLAMA, precision="fp32", gpus=2, tp=2), skip=LP)[
+        ("all-reduce", "tp")][0] == 3
+    ce = [c for c in comm.collectives(run_of(**LLAMA, precision="bf16", gpus=2, tp=2, grad_accum=2)) if LP in c.note]
+    assert [(c.calls_per_step, c.bytes_per_call, c.dtype) for c in ce] == [(6, 256, "fp32")]
 
 
 # ------------------------------------------------------------------------------------------ FSDP2 (dp)
@@ -135,22 +152,26 @@ def test_tp_sp_norm_grads_all_reduced_per_optimizer_read():
     master copy: the optimizer reads the fp32 copy, 27 x 256 B. Gradient accumulation changes nothing (the grad
     stays Partial until the step)."""
     base = dict(LLAMA, gpus=2, tp=2, sp=True)
-    assert totals(run_of(**base, precision="fp32"))[("all-reduce", "tp")] == (27, 27 * 64 * 4) == (27, 6_912)
-    assert totals(run_of(**base, precision="fp32", optimizer="sgd"))[("all-reduce", "tp")] == (9, 2_304)
-    assert totals(run_of(**base, precision="fp32", optimizer="sgd-momentum"))[("all-reduce", "tp")] == (9, 2_304)
+    # with the loss's 3 x 256 B: 30 calls, 7,680 B; the norm grads alone below
+    assert totals(run_of(**base, precision="fp32"))[("all-reduce", "tp")] == (30, 6_912 + 3 * 256)
+    assert totals(run_of(**base, precision="fp32"), skip=LP)[("all-reduce", "tp")] == (27, 27 * 64 * 4) == (27, 6_912)
+    assert totals(run_of(**base, precision="fp32", optimizer="sgd"), skip=LP)[("all-reduce", "tp")] == (9, 2_304)
+    assert totals(run_of(**base, precision="fp32", optimizer="sgd-momentum"), skip=LP)[("all-reduce", "tp")] == (
+        9, 2_304)
     pure = run_of(**base, precision="bf16", master_weights=False)
-    assert totals(pure)[("all-reduce", "tp")] == (27, 27 * 64 * 2)
-    assert dtypes(pure, "all-reduce", "tp") == {"bf16"}
+    assert totals(pure, skip=LP)[("all-reduce", "tp")] == (27, 27 * 64 * 2)
+    assert dtypes(pure, "all-reduce", "tp", skip=LP) == {"bf16"}
     master = run_of(**base, precision="bf16", grad_dtype="bf16")
-    assert totals(master)[("all-reduce", "tp")] == (27, 6_912) and dtypes(master, "all-reduce", "tp") == {"fp32"}
-    assert totals(run_of(**base, precision="fp32", grad_accum=2))[("all-reduce", "tp")] == (27, 6_912)
+    assert totals(master, skip=LP)[("all-reduce", "tp")] == (27, 6_912)
+    assert dtypes(master, "all-reduce", "tp") == {"fp32"}
+    assert totals(run_of(**base, precision="fp32", grad_accum=2), skip=LP)[("all-reduce", "tp")] == (27, 6_912)
 
 
 def test_tp_sp_layernorm_weight_and_bias():
     """Row 38 (GPT-2 block, LayerNorm with bias, TP2+SP, AdamW): 9 norms x 2 tensors x 3 reads = 54 calls x 256 B =
     13,824 B; the row-parallel biases and the learned positions have Replicate grads (no call)."""
     run = run_of(**GPT2, precision="fp32", gpus=2, tp=2, sp=True)
-    assert totals(run)[("all-reduce", "tp")] == (54, 54 * 256) == (54, 13_824)
+    assert totals(run, skip=LP)[("all-reduce", "tp")] == (54, 54 * 256) == (54, 13_824)
 
 
 def test_tp_sp_norm_grads_under_fsdp2_once_per_micro_batch():
@@ -158,21 +179,22 @@ def test_tp_sp_norm_grads_under_fsdp2_once_per_micro_batch():
     micro-batch, in FSDP2's param dtype: fp32 9 x 256 = 2,304 B; 2 micro-batches 18 calls; bf16 (GQA, TP4) 9 x 128 =
     1,152 B."""
     fp32 = dict(LLAMA, precision="fp32", gpus=4, tp=2, sp=True, zero=3)
-    assert totals(run_of(**fp32))[("all-reduce", "tp")] == (9, 2_304)
-    assert totals(run_of(**fp32, grad_accum=2))[("all-reduce", "tp")] == (18, 4_608)
+    assert totals(run_of(**fp32), skip=LP)[("all-reduce", "tp")] == (9, 2_304)
+    assert totals(run_of(**fp32, grad_accum=2), skip=LP)[("all-reduce", "tp")] == (18, 4_608)
     bf16 = run_of(**GQA, precision="bf16", gpus=8, tp=4, sp=True, zero=3)
-    assert totals(bf16)[("all-reduce", "tp")] == (9, 1_152) and dtypes(bf16, "all-reduce", "tp") == {"bf16"}
+    assert totals(bf16, skip=LP)[("all-reduce", "tp")] == (9, 1_152)
+    assert dtypes(bf16, "all-reduce", "tp", skip=LP) == {"bf16"}
 
 
 def test_tp_sp_amp_norm_outputs_travel_in_fp32():
     """Row 35 (TP4+SP, AMP bf16, GQA): the residual stream is fp32 under autocast. All-gathers: 8 norm outputs
     (fwd) + LM-head input (fwd) + embedding grad (bwd) in fp32 = 10 x 16,384; 8 o / down output grads (bwd) in bf16
-    = 8 x 8,192; logits 64 x 512 x 2 = 65,536: 19 calls, 294,912 B. Reduce-scatters: 8 o / down outputs (fwd) bf16
+    = 8 x 8,192 (the logits stay vocab-sharded): 18 calls, 229,376 B. Reduce-scatters: 8 o / down outputs (fwd) bf16
     + 8 norm-output grads (bwd) + embedding output (fwd) + LM-head input grad (bwd) fp32: 18 calls,
     8 x 8,192 + 10 x 16,384 = 229,376 B."""
     run = run_of(**GQA, precision="bf16", gpus=4, tp=4, sp=True)
     t = totals(run)
-    assert t[("all-gather", "tp")] == (19, 10 * 16_384 + 8 * 8_192 + 65_536) == (19, 294_912)
+    assert t[("all-gather", "tp")] == (18, 10 * 16_384 + 8 * 8_192) == (18, 229_376)
     assert t[("reduce-scatter", "tp")] == (18, 8 * 8_192 + 10 * 16_384) == (18, 229_376)
     assert dtypes(run, "all-gather", "tp") == dtypes(run, "reduce-scatter", "tp") == {"bf16", "fp32"}
 
@@ -183,15 +205,15 @@ def test_tp_amp_without_sp_and_full_recompute():
     input grad (fp32): 30 calls, 8 x 8,192 + 22 x 16,384 = 425,984 B. Full recompute replays one bf16 all-reduce
     per layer: 34 calls, 458,752 B."""
     base = dict(LLAMA, precision="bf16", gpus=2, tp=2)
-    assert totals(run_of(**base))[("all-reduce", "tp")] == (30, 8 * 8_192 + 22 * 16_384) == (30, 425_984)
-    assert totals(run_of(**base, recompute="full"))[("all-reduce", "tp")] == (34, 425_984 + 4 * 8_192)
+    assert totals(run_of(**base), skip=LP)[("all-reduce", "tp")] == (30, 8 * 8_192 + 22 * 16_384) == (30, 425_984)
+    assert totals(run_of(**base, recompute="full"), skip=LP)[("all-reduce", "tp")] == (34, 425_984 + 4 * 8_192)
 
 
 def test_tp_sp_full_recompute():
     """Row 36 (TP2+SP fp32, full recompute): +2 all-gathers and +1 reduce-scatter per layer: 19 + 8 = 27
-    all-gathers (26 x 16,384 + the logits 131,072 = 557,056 B), 18 + 4 = 22 reduce-scatters (360,448 B)."""
+    all-gathers less the logits (vocab-sharded): 26 x 16,384 = 425,984 B, 18 + 4 = 22 reduce-scatters (360,448 B)."""
     t = totals(run_of(**LLAMA, precision="fp32", gpus=2, tp=2, sp=True, recompute="full"))
-    assert t[("all-gather", "tp")] == (27, 26 * 16_384 + 131_072) == (27, 557_056)
+    assert t[("all-gather", "tp")] == (26, 26 * 16_384) == (26, 425_984)
     assert t[("reduce-scatter", "tp")] == (22, 22 * 16_384) == (22, 360_448)
 
 

@@ -191,3 +191,22 @@ def test_json_reports_model_states_detail():
     assert det["params"] == 2 * psi and det["grads"] == 2 * psi
     assert det["master_weights"] == 4 * psi // 64  # 7.5e9 / 64 is exact
     assert det["optimizer_moments"] == 8 * psi // 64
+
+
+def test_zero_redundancy_optimizer_partition_is_greedy_by_tensor():
+    """torch ZeRO-1 = ZeroRedundancyOptimizer: whole tensors, largest first, each to the least loaded rank
+    (torch/distributed/optim/zero_redundancy_optimizer.py `_partition_parameters`). Llama-2-7B on 64 ranks:
+    P/N = 6,738,415,616 / 64 = 105,287,744, but the embedding and the head are 32000 x 4096 = 131,072,000
+    elements each, so the ranks that hold them step 131,072,000 elements (nothing else fits beside them:
+    the other 62 ranks share the remaining 6,476,271,616 at about 104.5 M each)."""
+    from memcalc.cost.params import zero1_rank_elems, zero1_worst_dp_index
+    from memcalc.options import RunOptions, build_run
+
+    r = build_run(RunOptions(model="llama2-7b", gpus=64, zero=1, precision="bf16"))
+    assert zero1_rank_elems(r, 0) == 131_072_000
+    assert zero1_worst_dp_index(r, 0) == 0
+    st = model_states(r)
+    assert st.optimizer == 8 * 131_072_000  # AMP: fp32 params, two fp32 moments on the stepped elements
+    # DeepSpeed ZeRO-1 partitions a flat buffer: P/N
+    ds = build_run(RunOptions(model="llama2-7b", gpus=64, zero=1, precision="bf16", profile="deepspeed"))
+    assert model_states(ds).optimizer == 8 * -(-6_738_415_616 // 64)

@@ -292,10 +292,10 @@ def loss_transients(run: Run) -> tuple[Num, Num]:
     n32 = _loss_fp32_elems(run) * _gathered_replicas(run)  # DataParallel: GPU 0 runs the loss for all replicas
     inplace = run.profile == "megatron"
     chunked = run.training.loss == "chunked"
-    dtensor_ce = run.profile == "torch" and run.tp > 1 and not chunked
+    dtensor_ce = where(run.tp > 1, 1, 0) if (run.profile == "torch" and not chunked) else 0
     # with fp32 logits `.float()` returns the same tensor: no upcast copy
-    fwd = c * n + (0 if (inplace or c == 4) else 4 * n32) + (4 * n32 if dtensor_ce else 0)
-    bwd = (c * n if (inplace or chunked) else 0) + (0 if inplace else (12 if dtensor_ce else 8) * n32)
+    fwd = c * n + (0 if (inplace or c == 4) else 4 * n32) + 4 * n32 * dtensor_ce
+    bwd = (c * n if (inplace or chunked) else 0) + (0 if inplace else (8 + 4 * dtensor_ce) * n32)
     return fwd, bwd
 
 

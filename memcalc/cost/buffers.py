@@ -34,6 +34,8 @@ from memcalc.cost.params import (
     norm_params,
     padded_shard_elems,
     stage_tensor_shapes,
+    zero1_partition_applies,
+    zero1_rank_elems,
     root_tensor_shapes,
     shape_params,
     stage_layers,
@@ -141,6 +143,8 @@ def _trainable_elems(run: Run, stage: Num) -> Num:
 
 def _trainable_shard_elems(run: Run, stage: Num) -> Num:
     """Trainable elements of this rank's ZeRO/FSDP shard (as states.model_states shards them)."""
+    if zero1_partition_applies(run):
+        return zero1_rank_elems(run, stage)
     split = stage_param_split(run, stage)
     d = run.shard_degree
     return cdiv(split.trainable_dense, d) + cdiv(split.trainable_expert, d // run.ep)

@@ -30,7 +30,8 @@ Which collectives run, per profile (sources next to each builder below):
   forward and 2 in backward per layer per micro-batch, with SP the same volume as all-gather + reduce-scatter
   pairs (Korthikanti et al. 2022 sec. 4.2.2), +2 (one forward) under full recompute (ZeRO paper sec. 7.2.2);
   torch DTensor with unfused q/k/v and gate/up, as measured (memcalc validate): (2L+1) all-reduces forward,
-  (5L+1) backward (4L+1 with a GELU MLP), the logits all-gather, +1 per layer under full recompute; with SP
+  (5L+1) backward (4L+1 with a GELU MLP), loss_parallel's 3 fp32 all-reduces, +1 per layer under full
+  recompute; with SP
   2 + 2 all-gathers and reduce-scatters per layer, and the Partial gradients of the SequenceParallel norms
   all-reduced by DTensor (`_sp_norm_grads_torch`); norm outputs and the residual stream in `_stream_dtype`.
 - pipeline: send/recv of s*b*h (/t with SP) per micro-batch per stage boundary, both directions, vpp times as
@@ -61,7 +62,6 @@ from memcalc.cost.params import (
     layer_params,
     layer_tensor_shapes,
     padded_shard_elems,
-    padded_vocab,
     root_tensor_shapes,
     shape_params,
     stage_first_layer,
@@ -544,9 +544,11 @@ def _tensor_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
             add("reduce-scatter", s_s, first + last, "SP: embedding output (fwd), LM-head input grad (bwd)", sdt)
             add("all-gather", s_s, first + last, "SP: embedding grad (bwd), LM-head input (fwd)", sdt)
             out.append(_sp_norm_grads_torch(run, stage, seg))
-        v = padded_vocab(m, run.profile, t)
-        logits = (run.seq // run.cp) * run.micro_batch * v * ab
-        add("all-gather", logits, last, "logits gathered to every TP rank (ColwiseParallel LM head, no loss_parallel)")
+        # DTensor loss_parallel on the vocab-sharded logits (torch/distributed/tensor/parallel/loss.py,
+        # torchtitan's default): all-reduces of the max logit, the sum of exp and the target logit (fp32, forward);
+        # the fused nll + log-softmax backward communicates nothing
+        ce = (run.seq // run.cp) * run.micro_batch * 4
+        add("all-reduce", ce, 3 * last, "loss_parallel cross-entropy: max, sum of exp, target logit (fp32)", "fp32")
     else:
         # Megatron-LM (Shoeybi et al. 2019 sec. 3): f/g operators, 2 all-reduces forward + 2 backward per layer;
         # full recompute replays the forward: +2 (ZeRO paper sec. 7.2.2: 6 all-reduces per block).
@@ -799,8 +801,8 @@ def comm_notes(run: Run) -> list[str]:
         notes.append("hardware lacks an intra- or inter-node bandwidth: collectives on that link are timed by "
                      "latency only")
     if run.profile == "torch" and run.tp > 1:
-        notes.append("torch TP: measured DTensor counts with unfused q/k/v and gate/up; logits all-gathered "
-                     "(no loss_parallel)")
+        notes.append("torch TP: measured DTensor counts with unfused q/k/v and gate/up; vocab-parallel loss "
+                     "(loss_parallel)")
     if run.profile == "megatron" and run.tp > 1 and run.sp:
         notes.append("megatron SP: the paper's volume; Megatron also re-gathers column-parallel inputs in backward "
                      "(overlapped with the input-grad GEMM), not counted")

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 from memcalc import __version__
 from memcalc.cost.fragmentation import fragmentation_bytes
-from memcalc.cost.params import stage_layers, total_params
+from memcalc.cost.params import stage_layers, total_params, zero1_worst_dp_index
 from memcalc.cost.timeline import CATEGORIES, StageMemory, stage_memory
 from memcalc.specs import Run
 
@@ -134,6 +134,17 @@ def rank_of_stage(run: Run, stage: int) -> int:
             return stage * stride
         stride *= sizes[dim]
     return 0
+
+
+def dp_stride(run: Run) -> int:
+    """Rank distance between neighbouring data-parallel indices under the placement order."""
+    sizes = {"tp": run.tp, "cp": run.cp, "pp": run.pp, "dp": run.dp}
+    stride = 1
+    for dim in run.order:
+        if dim == "dp":
+            return stride
+        stride *= sizes[dim]
+    return stride
 
 
 def resolved_inputs(run: Run) -> dict[str, Any]:
@@ -271,7 +282,7 @@ def estimate(run: Run, stage: int | None = None, advice: bool = True) -> Estimat
         peak_bytes=headline_peak,
         peak_phase=so.peak_phase,
         worst_stage=worst.stage,
-        worst_rank=worst.first_rank,
+        worst_rank=worst.first_rank + zero1_worst_dp_index(run, worst.stage) * dp_stride(run),
         reported_stage=so.stage,
         capacity_bytes=capacity,
         headroom_bytes=capacity - worst.peak_bytes,

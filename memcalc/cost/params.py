@@ -24,7 +24,7 @@ import functools
 from typing import Any
 
 from memcalc.specs import ModelSpec, Run
-from memcalc.xp import muldiv, cdiv, imax, imin, where
+from memcalc.xp import cdiv, imax, imin, muldiv, per_value, where
 
 Num = Any
 
@@ -325,3 +325,57 @@ def fsdp_shard_elems(run: Run, stage: Num, degree: Num) -> Num:
     if m.params_override is not None:
         return muldiv(total, m.params_override, shape_params(m))
     return total
+
+
+def zero1_partition_applies(run: Run) -> bool:
+    """torch's ZeRO-1 (ZeroRedundancyOptimizer) assigns whole tensors to ranks; modelled tensor by tensor for
+    dense models with every parameter trainable and their real shapes (categorical tests only)."""
+    t = run.training
+    return (run.profile == "torch" and run.zero == 1 and run.model.moe is None and t.lora_rank is None
+            and not t.freeze and run.model.params_override is None)
+
+
+@functools.lru_cache(maxsize=256)
+def _greedy_partition(sizes: tuple[tuple[int, int, int], ...], ranks: int) -> tuple[int, int]:
+    """(largest per-rank total of local elements, first rank holding it) of ZeroRedundancyOptimizer.
+    _partition_parameters: tensors largest first by `numel()` (a DTensor's is its global size), each to the rank
+    with the smallest total so far (lowest index on ties). `sizes`: (global numel, local numel, count)."""
+    import heapq
+
+    heap = [(0, r) for r in range(ranks)]
+    local = [0] * ranks
+    for numel, loc, count in sizes:
+        for _ in range(count):
+            total, r = heapq.heappop(heap)
+            heapq.heappush(heap, (total + numel, r))
+            local[r] += loc
+    best = max(local)
+    return best, local.index(best)
+
+
+def _zero1_sizes(run: Run, tp: int, pp: int, stage: int) -> tuple[tuple[int, int, int], ...]:
+    local = stage_tensor_shapes(dataclasses.replace(run, tp=tp, pp=pp), stage)
+    glob = stage_tensor_shapes(dataclasses.replace(run, tp=1, pp=pp), stage)
+    counts: dict[tuple[int, int], int] = {}
+    for (g0, grow, c), (l0, lrow, _) in zip(glob, local, strict=True):
+        if c:
+            key = (g0 * grow, l0 * lrow)
+            counts[key] = counts.get(key, 0) + c
+    # torch sorts by global numel (stable); tensors of one global size are grouped here, which changes nothing
+    # unless a replicated tensor has the global size of a TP-sharded one
+    return tuple((g, loc, c) for (g, loc), c in sorted(counts.items(), key=lambda kv: -kv[0][0]))
+
+
+def zero1_rank_elems(run: Run, stage: Num) -> Num:
+    """Elements stepped by the most loaded rank under ZeroRedundancyOptimizer (torch/distributed/optim/
+    zero_redundancy_optimizer.py `_partition_parameters`, greedy largest-first), not P/N: whole tensors, so a
+    rank that holds the embedding holds at least V*h/t."""
+    return per_value(lambda d, tp, pp, st: _greedy_partition(_zero1_sizes(run, tp, pp, st), d)[0],
+                     run.shard_degree, run.tp, run.pp, stage)
+
+
+def zero1_worst_dp_index(run: Run, stage: int) -> int:
+    """The data-parallel index of the most loaded ZeroRedundancyOptimizer rank (0 when the partition is P/N)."""
+    if not zero1_partition_applies(run) or run.shard_degree <= 1:
+        return 0
+    return _greedy_partition(_zero1_sizes(run, run.tp, run.pp, stage), run.shard_degree)[1]

@@ -141,7 +141,7 @@ def frozen_bytes(run: Run, linear: Num, rows: Num, mats: Num, other: Num) -> Num
 
 def model_states(run: Run, stage: Num = 0) -> ModelStates:
     """Per-GPU model-state bytes of one rank of pipeline stage `stage`."""
-    from memcalc.cost.params import stage_param_split
+    from memcalc.cost.params import stage_param_split, zero1_partition_applies, zero1_rank_elems
 
     r, m = run.recipe, run.model
     split = stage_param_split(run, stage)
@@ -195,6 +195,8 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
         full_emb = embedding_params(m, run.profile, 1)
         grads = grads + gb * where(stage == 0, full_emb - embedding_params(m, run.profile, run.tp), 0)
     opt_elems = (param_shard(dense, expert) if z >= 2 else shard(dense, expert)) if z >= 1 else n
+    if zero1_partition_applies(run):
+        opt_elems = zero1_rank_elems(run, stage)  # whole tensors per rank, greedy largest-first
     master = 4 * opt_elems if r.master_weights else 0 * n
     grads_fp32 = 4 * opt_elems if r.fp32_grad_copy else 0 * n
     optimizer = optimizer_state_bytes(run, opt_elems, stage)
