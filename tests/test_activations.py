@@ -222,12 +222,17 @@ def test_korthikanti_appendix_b_pipeline_output_deallocation():
     kw = dict(precision="fp16", attention="eager", seq=2048, micro_batch=1, global_batch=280, tp=8, pp=35,
               sp=False, gpus=280)
     mega = stage_activations(make(m, "megatron", **kw), 0)
-    torch = stage_activations(make(m, "torch", **kw), 0)
-    # torch under AMP also keeps an fp32 residual stream and per-projection input casts (activations._autocast):
+    ds = stage_activations(make(m, "deepspeed", **kw), 0)
     # compare the pipeline-output term itself, 35 in-flight micro-batches of s*b*h fp16
     assert mega.detail.get("pipeline_output", 0) == 0
-    assert torch.detail["pipeline_output"] == 2 * 2048 * 1 * 20480 * 35 == 2_936_012_800
+    assert ds.detail["pipeline_output"] == 2 * 2048 * 1 * 20480 * 35 == 2_936_012_800
     assert round(2_936_012_800 / GIB, 2) == 2.73
+    # torch pipelining: pure fp16 the same; under AMP (fp32 weights, autocast) the stream between stages is fp32
+    # (activations._stream_bytes; measured: pipelining sends fp32), twice the paper's figure
+    pure = stage_activations(make(m, "torch", master_weights=False, **kw), 0)
+    assert pure.detail["pipeline_output"] == 2_936_012_800
+    amp = stage_activations(make(m, "torch", **kw), 0)
+    assert amp.detail["pipeline_output"] == 2 * 2_936_012_800
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -311,8 +311,15 @@ def every_stage_terms(run: Run, stage: Num) -> dict[str, Num]:
     if run.profile != "megatron":
         # torch.distributed.pipelining (`fwd_cache`) and DeepSpeed's PipelineEngine keep each stage's output until
         # its backward; Megatron frees its data once sent (`deallocate_pipeline_outputs=True`, Korthikanti
-        # appendix B: sbhp on the first stage of 530B)
-        out["pipeline_output"] = where(stage < run.pp - 1, c * tok_sp * m.hidden, 0)
+        # appendix B: sbhp on the first stage of 530B). torch's last stage caches its output too: the logits
+        # (`fwd_cache[chunk] = (output, inputs)` before `_maybe_compute_loss`), which are then no transient.
+        last_out = c * _logit_elems(run) if run.profile == "torch" else 0
+        out["pipeline_output"] = where(stage < run.pp - 1, _stream_bytes(run, c) * tok_sp * m.hidden,
+                                       where(run.pp > 1, last_out, 0))
+    if run.profile == "torch":
+        # the first layer's input on a later stage is the pipelining receive buffer of that micro-batch (counted
+        # in buffers.py `pipeline_recv_buffers`), saved by its norm (or checkpoint) without a new allocation
+        out["pipeline_input_in_recv_buffer"] = -where(stage > 0, _stream_bytes(run, c) * tok_sp * m.hidden, 0)
     return out
 
 
@@ -357,6 +364,9 @@ class StageActivations:
     # inside the first layer's backward of the stage's first backward: the loss terms freed, the layer's
     # activation-gradient transients live (`layer_backward_transient`), a checkpointed layer re-materialised
     backward_layer_bytes: Num
+    # the same moment in a later micro-batch's backward (pipelining, gradient accumulation): as many units held
+    # as at its start, the layer's transients on top (0 with one micro-batch)
+    backward_later_layer_bytes: Num
     # the same moment with the compute-dtype logits still live (end of forward, at the LM head matmul)
     forward_head_bytes: Num
     # the end of that layer's backward (FSDP2's post-backward): its activations freed, the gradient of its input
@@ -516,7 +526,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     held_later = held - (units - later_units) * freed
 
     loss_fwd, loss_bwd = loss_transients(run)
-    loss_fwd = where(last, loss_fwd, 0)
+    # torch pipelining holds the last stage's logits in `fwd_cache` (every_stage_terms `pipeline_output`)
+    cached = DTYPE_BYTES[run.recipe.compute_dtype] * _logit_elems(run) if run.profile == "torch" else 0
+    loss_fwd = where(last, loss_fwd - where(pp > 1, cached, 0), 0)
     loss_bwd = where(last, loss_bwd, 0)
     ring_fwd, ring_bwd = cp_ring_transients(run)
     # different moments: the loss comes after the last layer's attention in forward and before the first
@@ -542,6 +554,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_first_bytes=held + bwd_tr,
         backward_later_bytes=held_later + where(total_units > 1, bwd_tr, 0),
         backward_layer_bytes=held - last_saved + at_layer,
+        backward_later_layer_bytes=where(total_units > 1, held_later - last_saved + at_layer, 0),
         forward_head_bytes=held - last_saved + logits + where(last, _head_saved(run), 0),
         backward_post_bytes=held - last_saved - unit_bytes // imax(unit_layers, 1) + _residual_grad_bytes(run),
         layers=unit_layers,

@@ -215,6 +215,21 @@ def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
     return Buffer(cb * elems, phases, "autocast low-precision copies of the weights")
 
 
+def _pipeline_recv_buffers(run: Run, stage: Num) -> Num:
+    """torch.distributed.pipelining: `PipelineStage._prepare_forward_infra` / `_setup_backward_recv_info`
+    allocate, once and for the life of the stage, a receive buffer per micro-batch for the activation coming
+    from the previous stage and one for the gradient coming from the next (stage.py `_make_tensor_from_meta`):
+    m buffers of one stage boundary tensor (the residual stream, s/t tokens with SP) each way, per local stage
+    (vpp of them when interleaved; none into the first stage or back into the last)."""
+    from memcalc.cost.comm import _stream_dtype
+
+    s_loc = run.seq // run.cp
+    tok = (cdiv(s_loc, run.tp) if run.sp else s_loc) * run.micro_batch
+    _, sb = _stream_dtype(run)
+    ends = where(stage == 0, 1, 0) + where(stage == run.pp - 1, 1, 0)
+    return where(run.pp > 1, run.grad_accum * (2 * run.vpp - ends) * sb * tok * run.model.hidden, 0)
+
+
 def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     r = run.recipe
     d = run.shard_degree
@@ -223,6 +238,8 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     cb = DTYPE_BYTES[r.compute_dtype]
     gb = DTYPE_BYTES[r.grad_dtype]
     out: dict[str, Buffer] = {}
+    out["pipeline_recv_buffers"] = Buffer(_pipeline_recv_buffers(run, stage), ALL_PHASES,
+                                          "torch pipelining: a receive buffer per micro-batch, each way")
     if run.zero <= 1:
         # DDP (ZeRO-1 = ZeroRedundancyOptimizer over DDP). reducer.cpp initialize_buckets: every bucket gets
         # `bucket.gradients = at::empty({numel of its params}, param options)`; the buckets cover every parameter

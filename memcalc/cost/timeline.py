@@ -13,7 +13,7 @@ Phases (docs/methodology.md, "Activations" sec. 7), each the highest of its cand
 - backward: the loss gradient; inside the first layer's backward (`activations.layer_backward_transient`, a
   re-materialised layer, the first weight gradients) and at its end (FSDP2's post-backward); the second and the
   last layer (each layer frees its activations and adds its gradients, linear in between); the start of a later
-  micro-batch's backward; the end of backward (FSDP2's root reduce-scatter).
+  micro-batch's backward and its first layer's backward; the end of backward (FSDP2's root reduce-scatter).
 - optimizer: no activations; all gradients and the optimizer's temporaries (buffers).
 Buffers (memcalc/cost/buffers.py) add their bytes to the phases each one names.
 """
@@ -158,6 +158,7 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
         moment(layer_g + where(more, k_last * g, 0), act.backward_layer_bytes - where(more, k_last * a, 0),
                buf("backward_layer") + where(more, buf("backward_layer_next"), 0)),
         moment(later_g, later_act, buf("backward")),
+        moment(later_g, act.backward_later_layer_bytes, buf("backward_layer")),
         moment(grads, zero, buf("backward_end")),
     )
     phases = (

@@ -7,8 +7,9 @@ How the search runs (no per-configuration Python object, log line or string in t
    For each group one `Run` is made from the base run (`options.build_run` with the layout left at its defaults)
    with `dataclasses.replace`, its numeric layout fields (gpus, dp, tp, pp, vpp, cp, ep, micro_batch,
    grad_accum, global_batch) set to arrays. The cost model is called once per group per stage kind: stage 0 (the
-   most layers, the embedding and, in the activation model, the most in-flight micro-batches) and stage pp-1 (the
-   LM head and the logits); every other stage holds no more (tests/test_plan.py checks this against `estimate`,
+   most layers, the embedding and, in the activation model, the most in-flight micro-batches), stage pp-1 (the
+   LM head and the logits) and stage 1 (the worst middle stage: torch pipelining's receive buffers both ways);
+   every other stage holds no more (tests/test_plan.py checks this against `estimate`,
    which walks every stage). Peak = allocated peak + fragmentation + runtime overhead, as in
    `memcalc.cost.estimate._totals`.
 3. Memory first, and the micro-batch grows only while it fits: round 1 evaluates each layout's smallest
@@ -217,9 +218,13 @@ def _as_i64(x: Any, n: int) -> np.ndarray:
 
 
 def bulk_peak(run: Run, n: int) -> np.ndarray:
-    """Peak bytes (allocated + fragmentation + runtime) of the worst of stage 0 and stage pp-1, per element."""
+    """Peak bytes (allocated + fragmentation + runtime) of the worst of stage 0, stage 1 and stage pp-1, per
+    element. Stage 1 bounds the middle stages (the most layers and in-flight micro-batches of them; torch
+    pipelining gives every middle stage receive buffers both ways)."""
     pp = np.asarray(run.pp)
     stages: list[Any] = [0] if bool(np.all(pp == 1)) else [0, run.pp - 1]
+    if bool(np.any(pp > 2)):
+        stages.append(np.minimum(1, pp - 1))
     runtime = _as_i64(runtime_bytes(run), n)  # the same function estimate uses
     peak = None
     for stage in stages:

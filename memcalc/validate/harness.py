@@ -255,13 +255,13 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                 first, last = coords["pp"] == 0, coords["pp"] == run.pp - 1
                 with amp():
                     if first:
-                        schedule.step(pp_tokens)
+                        schedule.step(pp_tokens, return_outputs=False)
                     elif last:
                         losses: list[Any] = []
-                        schedule.step(target=pp_targets, losses=losses)
+                        schedule.step(target=pp_targets, losses=losses, return_outputs=False)
                         del losses
                     else:
-                        schedule.step()
+                        schedule.step(return_outputs=False)
                 cuda_mark("forward-backward", False)
             else:
                 for mb in range(ga):
