@@ -210,7 +210,10 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "`AsyncCollectiveTensor`, whose placeholder storage has no data) and the global-shape fake tensors DTensor",
            "builds to propagate shapes (visible under `--device meta`). TP runs use DTensor's `loss_parallel` on",
            "vocab-sharded logits (torchtitan's default) except under pipelining, whose schedules call the loss on",
-           "plain tensors.",
+           "plain tensors. gloo's reduce-scatter copies its input internally (NCCL does not): that copy is not",
+           "counted. Real gloo worlds are not fully deterministic: gloo's worker thread may still hold the previous",
+           "FSDP2 all-gather output when the next one is allocated, so an FSDP2 ZeRO-3 row can measure one flat",
+           "all-gather buffer more from run to run (seen on row 27: 3,809,324 or 3,875,372 bytes).",
            "",
            f"- Device: CPU ({platform.machine()}, {platform.system()}), torch {torch_version}, Python "
            f"{platform.python_version()}; every row below ran on the CPU (real gloo worlds, or one rank of a fake "

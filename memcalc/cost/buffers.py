@@ -50,8 +50,10 @@ Num = Any
 
 # Moments of a step (memcalc/cost/timeline.py): "forward" (the loss of the last forward before a backward),
 # "forward_head" (the LM head matmul just before it), "backward" (the loss gradient, start of backward),
-# "backward_layer" (inside the first layer's backward), "backward_post" (at its end), "backward_end" (the last unit's gradient reduction,
-# FSDP2), "optimizer" (the step).
+# "backward_layer" (inside the first layer's backward), "backward_post" (at its end), "backward_end" (the last unit's
+# gradient reduction, FSDP2), "optimizer" (the step). Two tags qualify backward moments rather than name one:
+# "backward_layer_next" (from the second layer's backward on) and "backward_prefetch" (while a next unit exists to
+# prefetch: every layer's backward moments but the stage's last layer's).
 ALL_PHASES: frozenset[str] = frozenset(
     {"forward", "forward_head", "backward", "backward_layer", "backward_post", "backward_end", "optimizer"}
 )
@@ -293,8 +295,8 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
             where(sharded, cb * layer_flat, 0), frozenset({"backward_layer"}),
             "FSDP2 current unit unsharded (resharded at its post-backward)")
         out["fsdp_backward_prefetch"] = Buffer(
-            where(sharded, cb * layer_flat, 0), frozenset({"backward_layer", "backward_post"}),
-            "FSDP2 next unit's all-gather output (backward prefetch of 1)")
+            where(sharded, cb * layer_flat, 0), frozenset({"backward_prefetch"}),
+            "FSDP2 next unit's all-gather output (backward prefetch of 1; none in the last layer's backward)")
     # forward: the all-gather output of the last unit is kept (`comm_ctx.all_gather_state`, freed at the next
     # copy-out or at the root's post-forward), i.e. still live at the LM head
     out["fsdp_forward_gather"] = Buffer(where(sharded, cb * layer_flat, 0), frozenset({"forward_head"}),

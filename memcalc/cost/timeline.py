@@ -25,10 +25,10 @@ from typing import Any
 
 from memcalc.cost.activations import stage_activations
 from memcalc.cost.buffers import stage_buffers
-from memcalc.cost.params import first_backward_grad_elems
+from memcalc.cost.params import first_backward_grad_elems, layer_params, stage_params
 from memcalc.cost.states import ModelStates, model_states
 from memcalc.specs import DTYPE_BYTES, Run
-from memcalc.xp import imax, imin, where
+from memcalc.xp import imax, imin, muldiv, where
 
 Num = Any
 
@@ -144,17 +144,27 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
         later_act = act.backward_later_bytes
     # later layers of the first backward: each frees one layer's activations (a) and adds one layer's gradients
     # (g; FSDP2: the sharded ones, plus the previous unit's reduce-scatter input held in flight,
-    # "backward_layer_next"); linear in the layer index, so the second layer and the last bound them all
+    # "backward_layer_next"); linear in the layer index, so the second layer and the last bound them all, with
+    # the last but one standing for the last layer that still prefetches
+    # One layer's gradients: its share of the stage's elements (the embedding's and the head's are produced at
+    # the ends of backward, not per layer; FSDP2 reduces the root's only at the end). FSDP2 prefetches the next
+    # unit in every layer's backward but the stage's last layer's ("backward_prefetch").
     a, n_l = act.layer_freed_bytes, act.layers
-    g = 0 * grads if s.grads_persistent else grads // imax(n_l, 1)
+    dense_l, expert_l = layer_params(run.model, run.tp, run.ep)
+    dense_s, expert_s = stage_params(run, stage)
+    g = 0 * grads if s.grads_persistent else muldiv(grads, dense_l + expert_l, imax(dense_s + expert_s, 1))
     more = n_l > 1
     k_last = imax(n_l - 1, 1)
+    k_pen = imax(n_l - 2, 1)  # the last layer with a prefetch
+    pre = buf("backward_prefetch")
     bwd = _highest(
         moment(first_g, act.backward_first_bytes, buf("backward")),
-        moment(layer_g, act.backward_layer_bytes, buf("backward_layer")),
-        moment(layer_g, act.backward_post_bytes, buf("backward_post")),
+        moment(layer_g, act.backward_layer_bytes, buf("backward_layer") + where(more, pre, 0)),
+        moment(layer_g, act.backward_post_bytes, buf("backward_post") + where(more, pre, 0)),
         moment(layer_g + where(more, g, 0), act.backward_layer_bytes - where(more, a, 0),
-               buf("backward_layer") + where(more, buf("backward_layer_next"), 0)),
+               buf("backward_layer") + where(more, buf("backward_layer_next"), 0) + where(n_l > 2, pre, 0)),
+        moment(layer_g + where(more, k_pen * g, 0), act.backward_layer_bytes - where(more, k_pen * a, 0),
+               buf("backward_layer") + where(more, buf("backward_layer_next"), 0) + where(n_l > 2, pre, 0)),
         moment(layer_g + where(more, k_last * g, 0), act.backward_layer_bytes - where(more, k_last * a, 0),
                buf("backward_layer") + where(more, buf("backward_layer_next"), 0)),
         moment(later_g, later_act, buf("backward")),

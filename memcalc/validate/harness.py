@@ -99,6 +99,32 @@ def _precomputed_mesh_concat(mesh: Any, enabled: bool) -> Any:
         DeviceMesh._concatenate = orig  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _untracked_gloo_reduce_scatter(tracker: Any, enabled: bool) -> Any:
+    """gloo's reduce-scatter works on an internal full-size copy of its input, which it then splits (the split
+    is dispatched, so the tracker would count the copy); NCCL reduce-scatters in place. Not counted: the harness
+    measures what a GPU run holds. The collective itself is still counted."""
+    if not enabled:
+        yield
+        return
+    import torch.distributed as dist
+
+    orig = dist.reduce_scatter_single
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        tracker._paused += 1
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            tracker._paused -= 1
+
+    dist.reduce_scatter_single = wrapped
+    try:
+        yield
+    finally:
+        dist.reduce_scatter_single = orig
+
+
 def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warmup: int,
              fake_world: bool) -> dict[str, Any]:
     import torch.distributed as dist
@@ -146,7 +172,9 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     cuda_phases: dict[str, dict[str, int]] = {}
 
-    with _precomputed_mesh_concat(mesh, meta and fsdp and run.tp > 1), fake_mode, tracker:
+    gloo = not fake_world and dist.get_backend() == "gloo"
+    with _precomputed_mesh_concat(mesh, meta and fsdp and run.tp > 1), fake_mode, tracker, \
+            _untracked_gloo_reduce_scatter(tracker, gloo):
         with torch.device(torch_device):
             model = GPT(m, kernel=t.attention, dropout=run.dropout, recompute=t.recompute,
                         recompute_layers=t.recompute_layers)
