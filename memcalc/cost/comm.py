@@ -447,14 +447,14 @@ def _fsdp2_terms(run: Run, stage: Num, n: Num, seg: list[tuple[Num, Num]], ag_dt
                    "micro-batch" + ("" if z3 else " (kept for backward; pp > 1: once per step)")),
         _term(run, "all-gather", "dp", ag_dtype, n, root * agb, has_root * per_step, seg, window="fwd",
               tail=ag_tail, per_mb=True,
-              note="root unit (embedding, final norm, LM head) params: one all-gather per micro-batch (pp > 1: "
+              note="root params (the embedding, final norm, LM head unit): one all-gather per micro-batch (pp > 1: "
                    "per step), kept for backward"),
         _term(run, "reduce-scatter", "dp", r.grad_dtype, n, blk * gb, layers * per_step, seg, window="bwd",
               tail=rs_tail, per_mb=True,
               note="grads: reduce-scatter of each layer's unit every micro-batch (pp > 1: once per step)"),
         _term(run, "reduce-scatter", "dp", r.grad_dtype, n, root * gb, has_root * per_step, seg, window="bwd",
               tail=rs_tail, per_mb=True,
-              note="root unit grads: reduce-scatter every micro-batch (pp > 1: once per step)"),
+              note="root grads: reduce-scatter every micro-batch (pp > 1: once per step)"),
     ]
     if z3:
         out.insert(1, _term(run, "all-gather", "dp", ag_dtype, n, blk * agb, layers * where(pp_on, 1 + 0 * ga, ga),
@@ -541,14 +541,14 @@ def _tensor_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
                                                                                     if rec else ""))
             add("reduce-scatter", s_s, layers * 2, "layers (SP): 2 bwd reduce-scatters per layer (norm output grads)",
                 sdt)
-            add("reduce-scatter", s_s, first + last, "SP: embedding output (fwd), LM-head input grad (bwd)", sdt)
-            add("all-gather", s_s, first + last, "SP: embedding grad (bwd), LM-head input (fwd)", sdt)
+            add("reduce-scatter", s_s, first + last, "emb, head (SP): embedding output (fwd), LM-head input grad (bwd)", sdt)
+            add("all-gather", s_s, first + last, "emb, head (SP): embedding grad (bwd), LM-head input (fwd)", sdt)
             out.append(_sp_norm_grads_torch(run, stage, seg))
         # DTensor loss_parallel on the vocab-sharded logits (torch/distributed/tensor/parallel/loss.py,
         # torchtitan's default): all-reduces of the max logit, the sum of exp and the target logit (fp32, forward);
         # the fused nll + log-softmax backward communicates nothing
         ce = (run.seq // run.cp) * run.micro_batch * 4
-        add("all-reduce", ce, 3 * last, "loss_parallel cross-entropy: max, sum of exp, target logit (fp32)", "fp32")
+        add("all-reduce", ce, 3 * last, "loss (loss_parallel): max, sum of exp, target logit (fp32, forward)", "fp32")
     else:
         # Megatron-LM (Shoeybi et al. 2019 sec. 3): f/g operators, 2 all-reduces forward + 2 backward per layer;
         # full recompute replays the forward: +2 (ZeRO paper sec. 7.2.2: 6 all-reduces per block).
@@ -557,15 +557,15 @@ def _tensor_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
             add("all-reduce", s_h, layers * 4 + rc * 2,
                 "layers: 2 fwd + 2 bwd all-reduces per layer" + (" + 2 replayed in recompute" if
                                                                  run.training.recompute == "full" else ""))
-            add("all-reduce", s_h, first + last, "vocab-parallel embedding output (fwd), LM-head input grad (bwd)")
+            add("all-reduce", s_h, first + last, "emb, head: vocab-parallel embedding output (fwd), LM-head input grad (bwd)")
         else:
             add("all-gather", s_h, layers * 4 + rc * 2, "layers (SP): 2 fwd + 2 bwd all-gathers per layer")
             add("reduce-scatter", s_h, layers * 4 + rc * 2, "layers (SP): 2 fwd + 2 bwd reduce-scatters per layer")
-            add("reduce-scatter", s_h, first + last, "SP: embedding output (fwd), LM-head input grad (bwd)")
-            add("all-gather", s_h, first + last, "SP: embedding grad (bwd), LM-head input (fwd)")
+            add("reduce-scatter", s_h, first + last, "emb, head (SP): embedding output (fwd), LM-head input grad (bwd)")
+            add("all-gather", s_h, first + last, "emb, head (SP): embedding grad (bwd), LM-head input (fwd)")
         # vocab_parallel_cross_entropy: all-reduce of the max logit, the target logit and the sum of exp (fp32)
         ce = (run.seq // run.cp) * run.micro_batch * 4
-        add("all-reduce", ce, 3 * last, "vocab-parallel cross-entropy: max, target logit, sum of exp (fp32)", "fp32")
+        add("all-reduce", ce, 3 * last, "loss (vocab-parallel CE): max, target logit, sum of exp (fp32, forward)", "fp32")
     return out
 
 
@@ -602,7 +602,7 @@ def _sp_norm_grads_torch(run: Run, stage: Num, seg: list[tuple[Num, Num]]) -> _T
     b = where(fsdp, DTYPE_BYTES[fsdp_dtype], DTYPE_BYTES[opt_dtype]) * m.hidden
     calls = tensors * where(fsdp, ga, _OPT_GRAD_READS[t.optimizer] + 0 * ga)
     return _term(run, "all-reduce", "tp", _label(fsdp, fsdp_dtype, opt_dtype), run.tp, b, calls, seg,
-                 note="SP: Partial grads of the replicated norm weights, all-reduced by DTensor (per optimizer "
+                 note="norm grads (SP): Partial grads of the replicated norm weights, all-reduced by DTensor (per optimizer "
                       "read of the grad; under FSDP2 once per micro-batch)")
 
 
@@ -625,7 +625,7 @@ def _pipeline(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
     sends = 2 * v - first - last
     seg = [(st["pp"], pp)]
     out = [_term(run, "send/recv", "pp", act, pp, s, sends * ga, seg, kind="pair", per_mb=True,
-                 note="activations forward + grads backward per micro-batch and model chunk (2 sends per "
+                 note="stage boundary: activations forward + grads backward per micro-batch and model chunk (2 sends per "
                       "chunk, one fewer on the first and on the last stage)" + (" (SP: /tp)" if run.sp else ""))]
     if m.tied_embeddings:
         # Megatron `_allreduce_word_embedding_grads` (megatron/core/distributed/finalize_model_grads.py); torch

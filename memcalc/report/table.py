@@ -145,22 +145,48 @@ def render_estimate(est: Estimate, run: Run, units: str = "GiB", explain: bool =
         render_explain(est, run, con, units)
 
 
+_PHASE_OF_WINDOW = {"fwd": "fwd", "bwd": "bwd", "fwd_first": "1st fwd", "bwd_last": "last bwd"}
+
+
+def _purpose(note: str, window: str) -> str:
+    """A short 'what and when' for the communication table (the full note is in --explain and JSON): the note's
+    subject before its colon, parentheticals dropped, and the phase (the overlap window, else what the note says)."""
+    import re
+
+    subject, _, rest = note.partition(":") if ":" in note else ("", "", note)
+    subject = re.sub(r"\s*\([^)]*\)", "", subject).strip()
+    phase = _PHASE_OF_WINDOW.get(window, "")
+    if not phase:
+        words = set(re.findall(r"[a-z]+", rest.lower()))
+        fwd, bwd = bool(words & {"fwd", "forward"}), bool(words & {"bwd", "backward"})
+        phase = "fwd+bwd" if fwd and bwd else "fwd" if fwd else "bwd" if bwd else ""
+    return f"{subject} {phase}".strip()
+
+
 def _render_comm_compute(est: Estimate, con: Console, units: str) -> None:
     comm, comp = est.communication, est.compute
     if comm.modelled and comm.collectives:
         t = Table(box=None, header_style="bold", pad_edge=False, title=None)
-        for col, just in (("collective", "left"), ("group", "left"), ("per call", "right"),
-                          ("calls", "right"), (f"sent {units}", "right"), ("ms", "right"), ("link", "left")):
-            t.add_column(col, justify=just, no_wrap=True)
+        rows = []
         for c in comm.collectives:
-            link = ("intra" if c.link == "intra-node" else "inter") + (", overlap" if c.overlapped else "")
-            t.add_row(c.op, f"{c.group}×{c.group_size}", format_bytes(c.bytes_per_call, units),
-                      f"{c.calls_per_step:,}", _num(c.bytes_per_step, units), f"{c.seconds_per_step * 1e3:,.1f}",
-                      link)
+            link = ("intra" if c.link == "intra-node" else "inter") + ("*" if c.overlapped else "")
+            rows.append([c.op, f"{c.group}×{c.group_size}", format_bytes(c.bytes_per_call, units),
+                         f"{c.calls_per_step:,}", _num(c.bytes_per_step, units), f"{c.seconds_per_step * 1e3:,.1f}",
+                         link, _purpose(c.note, c.window)])
+        cols = (("collective", "left"), ("group", "left"), ("per call", "right"), ("calls", "right"),
+                (f"sent {units}", "right"), ("ms", "right"), ("link", "left"), ("for", "left"))
+        # the last column takes what the terminal leaves (at least 8 characters), the others never shrink
+        fixed = sum(max(len(h), *(len(r[i]) for r in rows)) + 2 for i, (h, _) in enumerate(cols[:-1]))
+        room = max(8, min(24, con.width - fixed))
+        for col, just in cols:
+            t.add_column(col, justify=just, no_wrap=True)
+        for r in rows:
+            r[-1] = r[-1] if len(r[-1]) <= room else r[-1][:room - 1] + "…"
+            t.add_row(*r)
         con.print()
         con.print(t)
         con.print(Text("per step, worst rank: calls, bytes this GPU sends (ring factors) and time; link intra- or "
-                       "inter-node", style="dim"))
+                       "inter-node, * overlapped with compute", style="dim"))
         con.print(Text(f"communication: {format_bytes(comm.bytes_per_step, units)} sent per GPU per step, "
                        f"{comm.seconds_per_step * 1e3:,.1f} ms on the wire, "
                        f"{comm.exposed_seconds_per_step * 1e3:,.1f} ms exposed", style="dim"))
