@@ -113,6 +113,12 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         device="meta")
     add("fake FSDP2 ZeRO-3 bf16, 1B-wide, world 1024 (meta)", dict(BIG, precision="bf16", gpus=1024, zero=3),
         world="fake", device="meta")
+    # interleaved 1F1B (ScheduleInterleaved1F1B, vpp model chunks per rank); appended to keep the numbering above
+    add("PP2 interleaved vpp 2 fp32", dict(L, precision="fp32", gpus=2, pp=2, vpp=2, grad_accum=4))
+    add("PP4 interleaved vpp 2 bf16, 8 layers", dict(L, layers=8, precision="bf16", gpus=4, pp=4, vpp=2,
+                                                     grad_accum=8))
+    add("PP2 interleaved vpp 2 fp32, 8 micro-batches, full recompute",
+        dict(L, precision="fp32", gpus=2, pp=2, vpp=2, grad_accum=8, recompute="full"))
     return c
 
 

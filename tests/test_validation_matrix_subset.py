@@ -34,6 +34,7 @@ ROWS = {
     45: "pipelining x FSDP2",
     47: "fake world 32, ZeRO-1 greedy partition",
     51: "meta, FSDP2 ZeRO-3 x TP4 + SP",
+    54: "pipelining interleaved 1F1B",
 }
 
 

@@ -316,10 +316,6 @@ def every_stage_terms(run: Run, stage: Num) -> dict[str, Num]:
         last_out = c * _logit_elems(run) if run.profile == "torch" else 0
         out["pipeline_output"] = where(stage < run.pp - 1, _stream_bytes(run, c) * tok_sp * m.hidden,
                                        where(run.pp > 1, last_out, 0))
-    if run.profile == "torch":
-        # the first layer's input on a later stage is the pipelining receive buffer of that micro-batch (counted
-        # in buffers.py `pipeline_recv_buffers`), saved by its norm (or checkpoint) without a new allocation
-        out["pipeline_input_in_recv_buffer"] = -where(stage > 0, _stream_bytes(run, c) * tok_sp * m.hidden, 0)
     return out
 
 
@@ -516,10 +512,38 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         last_saved = last_saved + x
         held = held + x * n_last
     for key, x in every_stage_terms(run, stage).items():
-        detail[key] = x * n_every
+        n_x = x * n_every
+        if key == "pipeline_output" and run.schedule == "interleaved":
+            # only the units of the last chunk of the last rank are on the global last stage (their output: the
+            # logits); the rank's other chunks output the residual stream
+            x_mid = _stream_bytes(run, DTYPE_BYTES[run.recipe.compute_dtype]) * _shape(run)[2] * m.hidden
+            n_x = where(last, x * n_last + x_mid * (n_every - n_last), n_x)
+        detail[key] = n_x
         extra = extra + x
-        held = held + x * n_every
+        held = held + n_x
 
+    s_h = _stream_bytes(run, DTYPE_BYTES[run.recipe.compute_dtype]) * _shape(run)[2] * m.hidden
+    if run.profile == "torch":
+        # the first layer's input of a unit on a later (global) stage is that micro-batch's pipelining receive
+        # buffer (buffers.py `pipeline_recv_buffers`), saved by its norm or checkpoint without a new allocation
+        n_recv = units - where(first, n_first, 0)
+        detail["pipeline_input_in_recv_buffer"] = -s_h * n_recv
+        held = held - s_h * n_recv
+        extra = extra - where(first, 0, s_h)
+    # torch's interleaved schedule (`_PipelineScheduleRuntime`) waits for its sends only when the step ends, so
+    # every output sent forward and input gradient sent backward stays referenced until then: at the last
+    # steady-state backward, j = F - units backwards are done (F chunk forwards in all), each with its output
+    # (unless the global last stage) and its input gradient (unless the global first stage) still held.
+    # Backwards run latest chunk first in groups of pp micro-batches (torch's order, as Megatron's).
+    sent = 0
+    if run.profile == "torch" and run.schedule == "interleaved":
+        v = run.vpp
+        j = imax(total_units - units, 0)
+        g2 = j // (pp * v)
+        r2 = j - g2 * pp * v
+        bw_last_chunk = g2 * pp + imin(r2, pp)
+        bw_first_chunk = g2 * pp + imax(imin(r2 - (v - 1) * pp, pp), 0)
+        sent = s_h * ((j - where(last, bw_last_chunk, 0)) + (j - where(first, bw_first_chunk, 0)))
     # one backward frees one unit: a micro-batch (its layers and extras), or one model chunk when interleaved
     freed = unit_bytes if run.schedule == "interleaved" else unit_bytes + extra
     later_units = imin(units, total_units - 1)  # held when a later backward starts (steady state or drain)
@@ -548,13 +572,14 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     detail["logits_grad_transient"] = loss_bwd
     detail["recompute_transient"] = imax(remat, 0)
     detail["cp_ring_kv_transient"] = ring_bwd
+    detail["pipeline_sent_transient"] = sent
     return StageActivations(
         held_bytes=held,
         forward_bytes=held + fwd_tr,
         backward_first_bytes=held + bwd_tr,
-        backward_later_bytes=held_later + where(total_units > 1, bwd_tr, 0),
+        backward_later_bytes=held_later + where(total_units > 1, bwd_tr, 0) + sent,
         backward_layer_bytes=held - last_saved + at_layer,
-        backward_later_layer_bytes=where(total_units > 1, held_later - last_saved + at_layer, 0),
+        backward_later_layer_bytes=where(total_units > 1, held_later - last_saved + at_layer + sent, 0),
         forward_head_bytes=held - last_saved + logits + where(last, _head_saved(run), 0),
         backward_post_bytes=held - last_saved - unit_bytes // imax(unit_layers, 1) + _residual_grad_bytes(run),
         layers=unit_layers,

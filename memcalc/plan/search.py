@@ -8,8 +8,9 @@ How the search runs (no per-configuration Python object, log line or string in t
    with `dataclasses.replace`, its numeric layout fields (gpus, dp, tp, pp, vpp, cp, ep, micro_batch,
    grad_accum, global_batch) set to arrays. The cost model is called once per group per stage kind: stage 0 (the
    most layers, the embedding and, in the activation model, the most in-flight micro-batches), stage pp-1 (the
-   LM head and the logits) and stage 1 (the worst middle stage: torch pipelining's receive buffers both ways);
-   every other stage holds no more (tests/test_plan.py checks this against `estimate`,
+   LM head and the logits), and stages 1 and pp-2 (the middle stages are monotone in the stage index: torch
+   pipelining's receive buffers both ways, torch's interleaved schedule holding its sends); every other stage
+   holds no more (tests/test_plan.py checks this against `estimate`,
    which walks every stage). Peak = allocated peak + fragmentation + runtime overhead, as in
    `memcalc.cost.estimate._totals`.
 3. Memory first, and the micro-batch grows only while it fits: round 1 evaluates each layout's smallest
@@ -218,13 +219,15 @@ def _as_i64(x: Any, n: int) -> np.ndarray:
 
 
 def bulk_peak(run: Run, n: int) -> np.ndarray:
-    """Peak bytes (allocated + fragmentation + runtime) of the worst of stage 0, stage 1 and stage pp-1, per
-    element. Stage 1 bounds the middle stages (the most layers and in-flight micro-batches of them; torch
-    pipelining gives every middle stage receive buffers both ways)."""
+    """Peak bytes (allocated + fragmentation + runtime) of the worst of stages 0, 1, pp-2 and pp-1, per element.
+    On the middle stages every term is monotone in the stage index (in-flight units and the remainder layers
+    fall; torch's interleaved schedule holds more sent tensors further down), so stage 1 or pp-2 bounds them."""
     pp = np.asarray(run.pp)
     stages: list[Any] = [0] if bool(np.all(pp == 1)) else [0, run.pp - 1]
     if bool(np.any(pp > 2)):
         stages.append(np.minimum(1, pp - 1))
+    if bool(np.any(pp > 3)):
+        stages.append(np.maximum(pp - 2, 0))
     runtime = _as_i64(runtime_bytes(run), n)  # the same function estimate uses
     peak = None
     for stage in stages:

@@ -184,7 +184,22 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
             from memcalc.validate.model import apply_lora
 
             apply_lora(model, t.lora_targets, t.lora_rank, DTYPES[t.base_dtype or recipe.compute_dtype])
-        if run.pp > 1:
+        chunks: list[Any] = []
+        if run.pp > 1 and run.vpp > 1:
+            # interleaved 1F1B: this rank holds the global stages pp_rank + k*pp, k < vpp (torchtitan's
+            # "loop" stage placement), each a model chunk of L/(pp*vpp) layers, built one after the other
+            n_stages = run.pp * run.vpp
+            chunks = [split_stage(model, coords["pp"], n_stages, run)]
+            for k in range(1, run.vpp):
+                with torch.device(torch_device):
+                    full = GPT(m, kernel=t.attention, dropout=run.dropout, recompute=t.recompute,
+                               recompute_layers=t.recompute_layers)
+                if param_dtype != torch.float32:
+                    full.to(param_dtype)
+                chunks.append(split_stage(full, coords["pp"] + k * run.pp, n_stages, run))
+                del full
+            model = torch.nn.ModuleList(chunks)
+        elif run.pp > 1:
             model = split_stage(model, coords["pp"], run.pp, run)
         ddp_model = model
         # vocab-parallel loss under TP (torchtitan's default, Megatron's cross-entropy); the pipelining schedules
@@ -233,15 +248,29 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
 
         schedule = None
         if run.pp > 1:
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+            from torch.distributed.pipelining import (
+                PipelineStage,
+                Schedule1F1B,
+                ScheduleGPipe,
+                ScheduleInterleaved1F1B,
+            )
 
-            stage = PipelineStage(model, coords["pp"], run.pp, torch_device, group=mesh.get_group("pp"))
-            cls = ScheduleGPipe if run.schedule == "gpipe" else Schedule1F1B
+            pp_group = mesh.get_group("pp")
+            if chunks:
+                n_stages = run.pp * run.vpp
+                stages = [PipelineStage(c, coords["pp"] + k * run.pp, n_stages, torch_device, group=pp_group)
+                          for k, c in enumerate(chunks)]
+            else:
+                stage = PipelineStage(model, coords["pp"], run.pp, torch_device, group=pp_group)
 
             def pp_loss(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
                 return loss_fn(logits, tgt) / ga
 
-            schedule = cls(stage, n_microbatches=ga, loss_fn=pp_loss)
+            if chunks:
+                schedule = ScheduleInterleaved1F1B(stages, n_microbatches=ga, loss_fn=pp_loss)
+            else:
+                cls = ScheduleGPipe if run.schedule == "gpipe" else Schedule1F1B
+                schedule = cls(stage, n_microbatches=ga, loss_fn=pp_loss)
             pp_tokens = tokens.flatten(0, 1)
             pp_targets = targets.flatten(0, 1)
 

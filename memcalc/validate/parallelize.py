@@ -28,8 +28,9 @@ def check_supported(run: Run, world: str, device: str) -> None:
         raise Unsupported("mixture-of-experts models are not built by the harness yet")
     if run.cp > 1:
         raise Unsupported("--cp > 1 (context parallel) is not built by the harness yet")
-    if run.vpp > 1:
-        raise Unsupported("--vpp > 1 (interleaved 1F1B) is not built by the harness yet")
+    if run.vpp > 1 and (run.dp > 1 or run.tp > 1):
+        raise Unsupported("--vpp > 1 (interleaved 1F1B) runs in the harness with pipeline parallelism alone "
+                          "(dp = tp = 1)")
     if run.offload != "none":
         raise Unsupported("--offload is not built by the harness")
     if t.precision == "fp8":
@@ -43,8 +44,9 @@ def check_supported(run: Run, world: str, device: str) -> None:
         raise Unsupported("LoRA runs in the harness on one rank or with DDP / ZeRO-1 (tp = pp = cp = 1, zero <= 1)")
     if run.dp_mode != "collective":
         raise Unsupported(f"--dp-mode {run.dp_mode} is not built by the harness; valid: collective")
-    if run.schedule not in ("1f1b", "gpipe"):
-        raise Unsupported(f"--schedule {run.schedule} is not built by the harness; valid: 1f1b, gpipe")
+    if run.schedule not in ("1f1b", "gpipe", "interleaved"):
+        raise Unsupported(f"--schedule {run.schedule} is not built by the harness; valid: 1f1b, gpipe, "
+                          "interleaved")
     if t.loss != "full":
         raise Unsupported("--loss chunked is not built by the harness; valid: full")
     if m.params_override is not None:
