@@ -370,8 +370,15 @@ def zero1_rank_elems(run: Run, stage: Num) -> Num:
     """Elements stepped by the most loaded rank under ZeroRedundancyOptimizer (torch/distributed/optim/
     zero_redundancy_optimizer.py `_partition_parameters`, greedy largest-first), not P/N: whole tensors, so a
     rank that holds the embedding holds at least V*h/t."""
-    return per_value(lambda d, tp, pp, st: _greedy_partition(_zero1_sizes(run, tp, pp, st), d)[0],
-                     run.shard_degree, run.tp, run.pp, stage)
+    memo: dict[tuple[int, int, int], tuple[tuple[int, int, int], ...]] = {}
+
+    def worst(d: int, tp: int, pp: int, st: int) -> int:
+        key = (tp, pp, st)
+        if key not in memo:
+            memo[key] = _zero1_sizes(run, tp, pp, st)
+        return _greedy_partition(memo[key], d)[0]
+
+    return per_value(worst, run.shard_degree, run.tp, run.pp, stage)
 
 
 def zero1_worst_dp_index(run: Run, stage: int) -> int:

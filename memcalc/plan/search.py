@@ -224,9 +224,11 @@ def bulk_peak(run: Run, n: int) -> np.ndarray:
     fall; torch's interleaved schedule holds more sent tensors further down), so stage 1 or pp-2 bounds them."""
     pp = np.asarray(run.pp)
     stages: list[Any] = [0] if bool(np.all(pp == 1)) else [0, run.pp - 1]
-    if bool(np.any(pp > 2)):
+    # torch only: its middle stages hold receive buffers both ways, and its interleaved schedule more sends
+    # further down the pipeline; elsewhere stage 0 bounds the middle stages
+    if run.profile == "torch" and bool(np.any(pp > 2)):
         stages.append(np.minimum(1, pp - 1))
-    if bool(np.any(pp > 3)):
+    if run.profile == "torch" and run.schedule == "interleaved" and bool(np.any(pp > 3)):
         stages.append(np.maximum(pp - 2, 0))
     runtime = _as_i64(runtime_bytes(run), n)  # the same function estimate uses
     peak = None
