@@ -76,7 +76,7 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                    panel=_T)),
     "optimizer": (str, "adamw", _opt("--optimizer", help="adam | adamw | sgd | sgd-momentum | adam-8bit | adafactor "
                   "| lion.", panel=_T)),
-    "recompute": (str, "none", _opt("--recompute", help="Activation recompute: none | selective | full.", panel=_T)),
+    "recompute": (str, "none", _opt("--recompute", help="Activation recompute: none | selective (attention core, Megatron) | op (torchtitan's op-level SAC: saves every other matmul output and the attention output) | full.", panel=_T)),
     "recompute_layers": (Optional[int], None, _opt("--recompute-layers", help="Checkpoint only this many layers per "
                          "stage.", panel=_T)),
     "attention": (str, "flash", _opt("--attention", help="flash (SDPA/flash kernels) | eager.", panel=_T)),

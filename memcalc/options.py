@@ -44,7 +44,7 @@ CHOICES = {
     "precision": ("fp32", "bf16", "fp16", "fp8"),
     "grad_dtype": ("fp32", "bf16", "fp16"),
     "optimizer": OPTIMIZERS,
-    "recompute": ("none", "selective", "full"),
+    "recompute": ("none", "selective", "op", "full"),
     "attention": ("flash", "eager"),
     "loss": ("full", "chunked"),
     "offload": ("none", "optimizer", "params"),

@@ -23,7 +23,7 @@ Profile = Literal["torch", "megatron", "deepspeed"]
 PROFILES: tuple[str, ...] = ("torch", "megatron", "deepspeed")
 Optimizer = Literal["adam", "adamw", "sgd", "sgd-momentum", "adam-8bit", "adafactor", "lion"]
 OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd", "sgd-momentum", "adam-8bit", "adafactor", "lion")
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "op", "full"]
 Offload = Literal["none", "optimizer", "params"]
 Schedule = Literal["1f1b", "interleaved", "gpipe", "pipedream", "pipedream-2bw"]
 BaseDtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "nf4"]
@@ -365,7 +365,7 @@ def resolve(
     else:
         ga = t.grad_accum or 1
     if t.recompute_layers is not None and t.recompute == "none":
-        raise InputError("--recompute-layers needs --recompute selective or full")
+        raise InputError("--recompute-layers needs --recompute selective, op or full")
     schedule = p.schedule or ("interleaved" if vpp > 1 else "1f1b")
     if schedule == "interleaved" and vpp == 1 and p.schedule is not None:
         raise InputError("--schedule interleaved needs --vpp > 1")

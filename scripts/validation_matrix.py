@@ -119,6 +119,12 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
                                                      grad_accum=8))
     add("PP2 interleaved vpp 2 fp32, 8 micro-batches, full recompute",
         dict(L, precision="fp32", gpus=2, pp=2, vpp=2, grad_accum=8, recompute="full"))
+    # torchtitan's op-level selective activation checkpointing (--recompute op)
+    add("DDP bf16 AMP op-level SAC, seq 512", dict(L, seq=512, precision="bf16", gpus=2, recompute="op"))
+    add("FSDP2 ZeRO-3 bf16 op-level SAC, seq 512", dict(L, seq=512, precision="bf16", gpus=2, zero=3,
+                                                        recompute="op"))
+    add("TP2+SP bf16 op-level SAC, seq 512", dict(L, seq=512, precision="bf16", gpus=2, tp=2, sp=True,
+                                                  recompute="op"))
     return c
 
 

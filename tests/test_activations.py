@@ -595,3 +595,25 @@ def test_first_stage_holds_the_most(kind, profile, schedule, pp, ga, recompute):
     for a in acts[1:-1]:
         assert acts[0].held_bytes >= a.held_bytes
         assert acts[0].forward_bytes >= a.forward_bytes
+
+
+def test_torchtitan_op_level_sac_terms():
+    """--recompute op = torchtitan's selective_ac_option 'op' (torchtitan/distributed/activation_checkpoint.py):
+    per layer it keeps the checkpoint input, every other matmul output (q, v, gate, down of q k v o gate up down)
+    and the SDPA output + log-sum-exp. Llama 3.1 8B under FSDP2 bf16 (no autocast: the stream is bf16), local
+    batch 2 x 8192 = 16,384 tokens: input, q, down and the attention output 2 x 16384 x 4096 = 134,217,728 B
+    each; v 2 x 16384 x 1024 = 33,554,432; gate 2 x 16384 x 14336 = 469,762,048; lse 4 x 16384 x 32 = 2,097,152:
+    1,042,284,544 B per layer (63,616 B per token). The forward terms are exact on the CPU harness
+    (docs/validation.md rows 57-59)."""
+    from memcalc.options import RunOptions, build_run
+
+    r = build_run(RunOptions(model="llama-3.1-8b", gpus=8, zero=3, precision="bf16", seq=8192, micro_batch=2,
+                             recompute="op"))
+    terms = layer_terms(r, "op")
+    assert terms == {"checkpoint_input": 134_217_728, "sac_q_output": 134_217_728, "sac_v_output": 33_554_432,
+                     "sac_gate_output": 469_762_048, "sac_down_output": 134_217_728,
+                     "sac_attn_output": 134_217_728, "attn_lse": 2_097_152}
+    assert sum(terms.values()) == 1_042_284_544 == 63_616 * 16_384
+    # between Megatron-style selective (everything but the attention core) and full recompute
+    plain = sum(layer_terms(r, "selective").values())
+    assert layer_terms(r, "full")["checkpoint_input"] < sum(terms.values()) < plain

@@ -394,7 +394,7 @@ def test_torchtitan_llama3_8b_toml_is_the_equivalent_flags(tmp_path):
     p.write_text(TT_LLAMA3_8B)
     imported = build_run(RunOptions(torchtitan_config=str(p), gpus=64))
     explicit = build_run(RunOptions(model="llama-3.1-8b", profile="torch", gpus=64, zero=3, micro_batch=1,
-                                    grad_accum=1, seq=8192, recompute="selective", optimizer="adamw",
+                                    grad_accum=1, seq=8192, recompute="op", optimizer="adamw",
                                     precision="bf16", foreach=False))
     assert imported == explicit
     r = apply_imports(RunOptions(torchtitan_config=str(p), gpus=64)).import_report

@@ -35,6 +35,7 @@ ROWS = {
     47: "fake world 32, ZeRO-1 greedy partition",
     51: "meta, FSDP2 ZeRO-3 x TP4 + SP",
     54: "pipelining interleaved 1F1B",
+    59: "TP2 + SP, torchtitan op-level SAC",
 }
 
 

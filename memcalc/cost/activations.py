@@ -100,6 +100,38 @@ def _mlp_terms(run: Run, prefix: str, c: int, tokens: Num, ffn: int, out: dict[s
     out[prefix + "act_output"] = c * tokens * f_t  # down-projection input
 
 
+def _op_sac_terms(run: Run) -> dict[str, Num]:
+    """torchtitan's op-level selective activation checkpointing (`selective_ac_option = "op"`,
+    torchtitan/distributed/activation_checkpoint.py `_apply_op_sac`): each layer runs under
+    `create_selective_checkpoint_contexts` with a policy that saves the outputs of `aten.mm` (all but every second
+    one, counted within the layer), of the SDPA kernels and of SP's reduce-scatters, and recomputes the rest. The
+    layer's matmuls in order: q, k, v, o, then gate, up, down (SwiGLU) or fc, proj (GELU): q, v, gate, down (fc)
+    are saved, k, o, up (proj) recomputed. Plus the checkpoint's input (the residual stream) and the attention
+    output with its log-sum-exp (eager attention uses bmm/softmax, not in the list: nothing of the core kept)."""
+    m = run.model
+    c, tok, tok_sp, _ = _shape(run)
+    h, t, d = m.hidden, run.tp, m.head_dim
+    if m.moe is not None:
+        from memcalc.errors import InputError
+
+        raise InputError("--recompute op is modelled for dense models; valid for MoE: none, selective, full")
+    f_t = cdiv(m.ffn, t)
+    heads, kv = m.heads // t, m.kv_heads // t
+    mm_out = [tok * heads * d, tok * kv * d, tok * kv * d, tok * h]  # q, k, v, o (row-parallel: partial sums)
+    mm_out += [tok * f_t, tok * f_t, tok * h] if m.mlp == "swiglu" else [tok * f_t, tok * h]
+    names = ["q", "k", "v", "o", "gate", "up", "down"] if m.mlp == "swiglu" else ["q", "k", "v", "o", "fc", "proj"]
+    out: dict[str, Num] = {"checkpoint_input": _stream_bytes(run, c) * tok_sp * h}
+    for i, (name, n) in enumerate(zip(names, mm_out, strict=True)):
+        if i % 2 == 0:  # the 1st, 3rd, ... matmul of the layer: saved
+            out[f"sac_{name}_output"] = c * n
+    if run.training.attention != "eager":
+        out["sac_attn_output"] = c * tok * heads * d
+        out["attn_lse"] = 4 * tok * heads
+    if run.sp and t > 1:
+        out["sac_reduce_scatter_outputs"] = 2 * c * tok_sp * h  # o and down outputs, reduce-scattered
+    return out
+
+
 def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) -> dict[str, Num]:
     """Bytes saved for backward by one transformer layer for one micro-batch on one rank, by named term.
 
@@ -113,6 +145,8 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     if recompute == "full":
         # the layer input, i.e. the residual stream (sharded with SP): Korthikanti sec. 5 `2sbh` (/t with SP)
         return {"checkpoint_input": c * tok_sp * h}
+    if recompute == "op":
+        return _op_sac_terms(run)
     t = run.tp
     d = m.head_dim
     heads = m.heads // t  # resolve() checks t | a and t | g
@@ -400,7 +434,8 @@ def _remat_net(mode: str, terms: dict[str, Num], kept: Num) -> Num:
     plain = 0
     for v in terms.values():
         plain = plain + v
-    if mode == "full":
+    if mode in ("full", "op"):
+        # the whole layer's forward is re-run in its backward; op-level SAC keeps part of it (net of what it kept)
         return plain - kept
     core = 0
     before = 0
@@ -560,7 +595,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     fwd_tr = imax(loss_fwd, ring_fwd)
     bwd_tr = imax(loss_bwd, remat + ring_bwd)
     layer_tr = layer_backward_transient(run)
-    if mode == "full":
+    if mode in ("full", "op"):
         at_layer = layer_tr + imax(remat, 0)  # the layer is re-run, then its backward starts
     elif mode == "selective":
         at_layer = imax(layer_tr, remat)  # the core comes back after the MLP's backward

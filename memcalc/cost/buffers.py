@@ -207,12 +207,12 @@ def _workspaces(run: Run) -> dict[str, Buffer]:
 
 def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
     """AMP autocast: each weight is cast once per forward (autocast weight cache) and the low-precision copy is
-    saved by the matmul for its backward, freed as backward passes each op. Under full recompute the saved copies
+    saved by the matmul for its backward, freed as backward passes each op. Under full (or op-level) recompute the saved copies
     are dropped when the autocast region exits and re-cast one layer at a time. Autocast casts fp32 tensors only:
     LoRA's frozen base is already stored in the compute dtype (states.frozen_bytes), so only the fp32 adapters are
     cast; --freeze keeps fp32 weights, all cast."""
     cb = DTYPE_BYTES[run.recipe.compute_dtype]
-    phases = frozenset({"forward"}) if run.training.recompute == "full" else FWD_BWD
+    phases = frozenset({"forward"}) if run.training.recompute in ("full", "op") else FWD_BWD
     elems = n_train if run.training.lora_rank is not None else _matmul_weight_elems(run, stage)
     return Buffer(cb * elems, phases, "autocast low-precision copies of the weights")
 

@@ -498,7 +498,7 @@ def _tensor_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
     ab = DTYPE_BYTES[act]
     s_h = (run.seq // run.cp) * run.micro_batch * m.hidden * ab  # one s*b*h activation (s/cp with CP)
     layers = stage_layers(m, run.pp, stage)
-    rc = stage_recomputed_layers(run, stage) if run.training.recompute == "full" else 0 * layers
+    rc = stage_recomputed_layers(run, stage) if run.training.recompute in ("full", "op") else 0 * layers
     first = where(stage == 0, 1, 0)
     last = where(stage == run.pp - 1, 1, 0)
     seg = [(st["tp"], t)]
@@ -519,11 +519,12 @@ def _tensor_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
         #   layer (the o output: it stops early once the saved tensors are rebuilt);
         # - SP: forward, the norm outputs are all-gathered (2, S) and the o / down outputs reduce-scattered (2, C);
         #   backward the reverse (2 all-gathers C, 2 reduce-scatters S); recompute replays 2 all-gathers (S) and
-        #   1 reduce-scatter (C) per layer.
+        #   1 reduce-scatter (C) per layer, none under op-level SAC (it saves reduce-scatter outputs).
         n_col = 3 + (2 if m.mlp == "swiglu" else 1)
         sdt, sb = _stream_dtype(run)
         s_s = (run.seq // run.cp) * run.micro_batch * m.hidden * sb  # one activation in the stream dtype
-        rec = run.training.recompute == "full"
+        rec = run.training.recompute in ("full", "op")
+        rs_rc = 0 * rc if run.training.recompute == "op" else rc
         if not run.sp:
             add("all-reduce", s_h, layers * 2 + rc,
                 "layers: 2 fwd all-reduces per layer (o, down outputs)" + (", +1 per recomputed layer" if rec
@@ -536,9 +537,9 @@ def _tensor_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
                 "layers (SP): 2 fwd all-gathers per layer (norm outputs)" + (", +2 per recomputed layer" if rec
                                                                              else ""), sdt)
             add("all-gather", s_h, layers * 2, "layers (SP): 2 bwd all-gathers per layer (o, down output grads)")
-            add("reduce-scatter", s_h, layers * 2 + rc,
+            add("reduce-scatter", s_h, layers * 2 + rs_rc,
                 "layers (SP): 2 fwd reduce-scatters per layer (o, down outputs)" + (", +1 per recomputed layer"
-                                                                                    if rec else ""))
+                                                                                    if rec and rs_rc is rc else ""))
             add("reduce-scatter", s_s, layers * 2, "layers (SP): 2 bwd reduce-scatters per layer (norm output grads)",
                 sdt)
             add("reduce-scatter", s_s, first + last, "emb, head (SP): embedding output (fwd), LM-head input grad (bwd)", sdt)

@@ -157,6 +157,12 @@ def recompute_flops_per_token(run: Run) -> Num:
     """Extra forward work in backward: full = a whole layer forward, selective = the attention core forward."""
     if run.training.recompute == "full":
         per_layer = layer_forward_flops_per_token(run)
+    elif run.training.recompute == "op":
+        # torchtitan's op-level SAC re-runs every second matmul of the layer: k, o and up (GELU: k, o, proj);
+        # elementwise ops are not counted. Model FLOPs (tp does not divide per-token model FLOPs here)
+        m = run.model
+        up = m.hidden * m.ffn
+        per_layer = 2 * (m.hidden * m.kv_heads * m.head_dim + m.heads * m.head_dim * m.hidden + up)
     elif run.training.recompute == "selective":
         per_layer = attention_core_flops_per_token(run)
     else:
@@ -285,8 +291,9 @@ def compute_notes(run: Run) -> list[str]:
         ", pipeline send/recv is on the critical path",
     ]
     if t.recompute != "none":
-        notes.append(f"recompute {t.recompute}: +{'one layer forward' if t.recompute == 'full' else 'attention core forward'}"
-                     " per recomputed layer; not counted in the achieved MFU")
+        extra = {"full": "one layer forward", "op": "the k, o and up (GELU: proj) matmuls"}.get(
+            t.recompute, "attention core forward")
+        notes.append(f"recompute {t.recompute}: +{extra} per recomputed layer; not counted in the achieved MFU")
     if t.precision == "fp8" and "fp8" in run.hardware.flops:
         notes.append("fp8: all matmuls timed at the fp8 peak")
     return notes

@@ -257,8 +257,10 @@ def import_torchtitan(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
         option = str(ac.get("selective_ac_option", "op")).strip()
         if mode == "memory_budget":
             imp.notes.append("activation_checkpoint mode memory_budget: modelled as selective")
-        if option.lower() == "op" or mode == "memory_budget":
+        if mode == "memory_budget":
             imp.set("recompute", "selective")
+        elif option.lower() == "op":
+            imp.set("recompute", "op")  # op-level SAC, modelled as such (activations._op_sac_terms)
         else:
             try:
                 every = int(option)

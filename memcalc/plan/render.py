@@ -29,7 +29,7 @@ def _layout(lay: dict[str, Any]) -> str:
     return s
 
 
-_RC = {"none": "", "selective": "rc-sel", "full": "rc-full"}
+_RC = {"none": "", "selective": "rc-sel", "op": "rc-op", "full": "rc-full"}
 _OFF = {"none": "", "optimizer": "off-opt", "params": "off-par"}
 
 

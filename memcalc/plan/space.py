@@ -30,7 +30,8 @@ AXIS_FLAGS: dict[str, str] = {
     "tp": "--tp", "pp": "--pp", "vpp": "--vpp", "cp": "--cp", "micro_batch": "--micro-batch", "zero": "--zero",
     "recompute": "--recompute", "sp": "--sp", "offload": "--offload",
 }
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")  # searched by default
+RECOMPUTE_CHOICES: tuple[str, ...] = ("none", "selective", "op", "full")  # accepted by --recompute
 OFFLOAD_MODES: tuple[str, ...] = ("none", "optimizer", "params")
 
 # rule key -> what it rejects, in the order the rules are applied (the first rule broken counts).
@@ -132,7 +133,7 @@ def parse_bounds(
     return Bounds(
         tp=_int_axis("--tp", tp), pp=_int_axis("--pp", pp), vpp=_int_axis("--vpp", vpp), cp=_int_axis("--cp", cp),
         micro_batch=_int_axis("--micro-batch", micro_batch), zero=_zero_axis(zero),
-        recompute=_choice_axis("--recompute", recompute, RECOMPUTE_MODES), sp=_sp_axis(sp),
+        recompute=_choice_axis("--recompute", recompute, RECOMPUTE_CHOICES), sp=_sp_axis(sp),
         offload=_choice_axis("--offload", offload, OFFLOAD_MODES),
     )
 
@@ -183,7 +184,7 @@ def _cat_axes(bounds: Bounds, recompute_layers: int | None) -> tuple[tuple[int, 
     rcs = bounds.recompute if bounds.recompute is not None else RECOMPUTE_MODES
     if recompute_layers is not None:
         if bounds.recompute is not None and "none" in bounds.recompute:
-            raise InputError("--recompute-layers needs --recompute selective or full (not none)")
+            raise InputError("--recompute-layers needs --recompute selective, op or full (not none)")
         rcs = tuple(r for r in rcs if r != "none")
     sps = bounds.sp if bounds.sp is not None else (False, True)
     offs = bounds.offload if bounds.offload is not None else OFFLOAD_MODES

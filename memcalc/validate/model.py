@@ -202,6 +202,37 @@ class Checkpointed(nn.Module):
         return checkpoint(self.block, x, rope, use_reentrant=False)
 
 
+def _op_sac_context() -> Any:
+    """torchtitan's op-level SAC policy (torchtitan/distributed/activation_checkpoint.py, `selective_ac_option =
+    "op"`): save the outputs of the listed ops, except every second `aten.mm` of the region; recompute the rest.
+    The list has the CUDA SDPA kernels; the CPU flash kernel stands in for them here."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    ops = torch.ops
+    save = {ops.aten.mm.default, ops.aten._scaled_dot_product_efficient_attention.default,
+            ops.aten._scaled_dot_product_flash_attention.default,
+            ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            ops._c10d_functional.reduce_scatter_tensor.default, ops.aten.max.default}
+    meta: dict[str, int] = {}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        key = ("recompute" if ctx.is_recompute else "forward") + "_mm_count"
+        if func == ops.aten.mm.default:
+            meta[key] = meta.get(key, 0) + 1
+        keep = func in save and not (func == ops.aten.mm.default and meta[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+class OpCheckpointed(Checkpointed):
+    """torchtitan's op-level selective activation checkpointing of one block (non-reentrant checkpoint with a
+    selective policy; a fresh mm counter per forward and per recompute)."""
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return checkpoint(self.block, x, rope, use_reentrant=False, context_fn=_op_sac_context)
+
+
 class GPT(nn.Module):
     """embed -> blocks -> head. Any part may be None on a pipeline stage that does not hold it."""
 
@@ -213,7 +244,9 @@ class GPT(nn.Module):
         blocks = []
         for i in range(m.layers):
             blk = Block(m, kernel, dropout, selective=recompute == "selective" and i < n_ckpt)
-            blocks.append(Checkpointed(blk) if recompute == "full" and i < n_ckpt else blk)
+            if recompute in ("full", "op") and i < n_ckpt:
+                blk = Checkpointed(blk) if recompute == "full" else OpCheckpointed(blk)
+            blocks.append(blk)
         self.layers = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
         self.rotary = m.positions == "rotary"
         self.head_dim = m.head_dim
