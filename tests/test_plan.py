@@ -342,3 +342,17 @@ def test_cli_requires_cluster_and_batch(missing, needle):
     del args[missing]
     code, _, err = cli("plan", *[x for kv in args.items() for x in kv])
     assert code == 2 and needle in err and err.count("\n") == 1
+
+
+def test_op_level_sac_in_the_planner_equals_estimate():
+    """--recompute op (torchtitan's op-level SAC) is searched only when asked for; every feasible layout's bulk
+    peak equals `estimate`'s to the byte, TP with and without SP and interleaved pipelines included."""
+    o = RunOptions(model="llama-2-13b", gpus=16, gpu="h100-sxm-80gb", global_batch=64, seq=4096, profile="torch")
+    res = search(Request(o, bounds=parse_bounds(recompute="op")))
+    f, s = res.feasible, res.space
+    assert f.size > 0 and {s.combos[ci].recompute for ci in set(f.combo.tolist())} == {"op"}
+    rng = np.random.default_rng(2)
+    for i in rng.choice(f.size, size=min(25, f.size), replace=False):
+        run = build_run(config_options(res, int(f.pair[i]), int(f.combo[i])))
+        assert run.training.recompute == "op"
+        assert peak_bytes(run) == int(f.peak[i])

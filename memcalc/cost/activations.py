@@ -127,8 +127,8 @@ def _op_sac_terms(run: Run) -> dict[str, Num]:
     if run.training.attention != "eager":
         out["sac_attn_output"] = c * tok * heads * d
         out["attn_lse"] = 4 * tok * heads
-    if run.sp and t > 1:
-        out["sac_reduce_scatter_outputs"] = 2 * c * tok_sp * h  # o and down outputs, reduce-scattered
+    if run.sp:
+        out["sac_reduce_scatter_outputs"] = where(t > 1, 2 * c * tok_sp * h, 0)  # o, down outputs reduce-scattered
     return out
 
 
