@@ -98,6 +98,9 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                    "fp16 | fp32 (QLoRA: nf4).", panel=_F)),
     "double_quant": (bool, True, _opt("--double-quant/--no-double-quant", help="QLoRA double quantization of the "
                      "nf4 scales.", panel=_F)),
+    "quant_backend": (str, "bnb", _opt("--quant-backend", help="Quantized base linears: bnb (bitsandbytes, HF PEFT "
+                      "QLoRA, lit-gpt: saves each linear's input) | torchao (torchtune's linear_nf4: saves none).",
+                      panel=_F)),
     "freeze": (Optional[str], None, _opt("--freeze", help="Freeze parts: embeddings, head, layers:K (comma-separated).",
                panel=_F)),
     "base_lr": (Optional[float], None, _opt("--base-lr", help="Reference learning rate (with --base-batch) for "

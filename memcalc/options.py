@@ -57,6 +57,7 @@ CHOICES = {
     "lora_targets": ("attn", "mlp", "all"),
     "base_dtype": ("nf4", "int8", "fp8", "bf16", "fp16", "fp32"),
     "dp_mode": ("collective", "ps", "dataparallel"),
+    "quant_backend": ("bnb", "torchao"),
 }
 
 
@@ -121,6 +122,7 @@ class RunOptions:
     lora_alpha: float | None = None
     base_dtype: str | None = None
     double_quant: bool = True
+    quant_backend: str = "bnb"
     freeze: str | None = None
     base_lr: float | None = None
     base_batch: int | None = None
@@ -295,7 +297,7 @@ def build_run(o: RunOptions) -> Run:
         o = apply_imports(o)  # explicit = every field that differs from its default
     profile = check_choice("profile", o.profile)
     for field in ("precision", "grad_dtype", "optimizer", "recompute", "attention", "loss", "offload", "schedule",
-                  "lora_targets", "base_dtype", "dp_mode"):
+                  "lora_targets", "base_dtype", "dp_mode", "quant_backend"):
         setattr(o, field, check_choice(field, getattr(o, field)))
     for flag, v in (("--gpus", o.gpus), ("--dp", o.dp), ("--tp", o.tp), ("--pp", o.pp), ("--vpp", o.vpp),
                     ("--cp", o.cp), ("--ep", o.ep), ("--seq", o.seq), ("--micro-batch", o.micro_batch),
@@ -323,7 +325,7 @@ def build_run(o: RunOptions) -> Run:
             recompute=o.recompute, recompute_layers=o.recompute_layers, attention=o.attention, loss=o.loss,
             dropout=o.dropout, foreach=o.foreach, fragmentation=o.fragmentation, mfu=o.mfu,
             lora_rank=o.lora_rank, lora_targets=o.lora_targets, lora_alpha=o.lora_alpha, base_dtype=o.base_dtype,
-            double_quant=o.double_quant, freeze=_freeze_items(o.freeze), base_lr=o.base_lr, base_batch=o.base_batch,
+            double_quant=o.double_quant, quant_backend=o.quant_backend, freeze=_freeze_items(o.freeze), base_lr=o.base_lr, base_batch=o.base_batch,
             base_warmup_steps=o.base_warmup_steps,
             **{k: getattr(o, k) for k in BUFFER_KNOBS},
         )

@@ -118,6 +118,9 @@ class TrainingSpec(_Frozen):
     lora_alpha: float | None = None  # accepted; it scales the update and does not change memory
     base_dtype: BaseDtype | None = None  # storage of frozen base weights; None: the compute dtype
     double_quant: bool = True  # QLoRA double quantization of the nf4 block scales
+    # the library behind quantized (nf4 / int8) base linears: bitsandbytes' MatMul4Bit / MatMul8bitLt save their
+    # input activation for backward; torchao's linear_nf4 (torchtune) saves only the weight
+    quant_backend: Literal["bnb", "torchao"] = "bnb"
     freeze: tuple[str, ...] = ()  # "embeddings", "head", "layers:K" (the first K layers)
     # framework buffer knobs (None: the framework's documented default; see memcalc/cost/buffers.py)
     bucket_cap_mb: float | None = Field(default=None, gt=0)  # DDP bucket_cap_mb

@@ -174,3 +174,21 @@ def test_dataparallel_gpu0_holds_every_replicas_logits():
     assert last_stage_terms(dp)["dataparallel_gathered_logits"] == 4 * tok * V * 2  # 4 replicas, bf16
     assert last_stage_terms(dp)["loss_logits_fp32"] == 4 * last_stage_terms(ddp)["loss_logits_fp32"]
     assert estimate(dp).memory.peak_bytes > estimate(ddp).memory.peak_bytes
+
+
+def test_bitsandbytes_quantized_linears_keep_their_inputs():
+    """bitsandbytes MatMul4Bit saves its input A for backward (`ctx.tensors = (A, B)`) although the nf4 weight is
+    frozen; torchao's linear_nf4 (torchtune) saves only the weight. Llama-2-7B, LoRA on attention, bf16, seq 1024:
+    the frozen rule drops the MLP input (h = 4096) and the down projection's input (f = 11008); bnb keeps both:
+    2 B x 1024 x (4096 + 11008) = 30,932,992 B more per layer."""
+    from memcalc.cost.activations import layer_terms
+
+    base = dict(model="llama-2-7b", precision="bf16", master_weights=False, seq=1024, lora_rank=8,
+                base_dtype="nf4")
+    bnb = layer_terms(run_of(**base, quant_backend="bnb"))
+    ao = layer_terms(run_of(**base, quant_backend="torchao"))
+    assert sum(bnb.values()) - sum(ao.values()) == 2 * 1024 * (4096 + 11008) == 30_932_992
+    assert ao == layer_terms(run_of(**{**base, "base_dtype": "bf16"}))  # torchao: the frozen bf16 rule
+    code, _, err = cli("estimate", "--model", "llama-2-7b", "--lora-rank", "8", "--base-dtype", "nf4",
+                       "--quant-backend", "gptq")
+    assert code == 2 and "--quant-backend" in err and "bnb" in err

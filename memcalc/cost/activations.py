@@ -220,14 +220,19 @@ def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, eager: bool) ->
     """LoRA (Hu et al. 2021): a frozen linear saves no input for its weight gradient (autograd saves a matmul's
     input only for a weight that requires grad), while each adapter saves its input x (the same tensor the base
     linear reads: no extra bytes) and its low-rank intermediate x A (tok x r) for B's gradient. PEFT's default
-    lora_dropout = 0 is assumed (with dropout each adapter also saves a dropped copy of x)."""
+    lora_dropout = 0 is assumed (with dropout each adapter also saves a dropped copy of x).
+    bitsandbytes-quantized bases (`--base-dtype nf4|int8 --quant-backend bnb`) are the exception: MatMul4Bit /
+    MatMul8bitLt keep their input A for backward (`ctx.tensors = (A, B)` when an input needs a gradient) even
+    though the weight is frozen, so every base linear's input stays saved, as without LoRA. torchao's
+    linear_nf4 (torchtune) saves only the weight."""
     t = run.training
     r = t.lora_rank
     attn = t.lora_targets in ("attn", "all")
     mlp = t.lora_targets in ("mlp", "all")
+    keeps_inputs = t.base_dtype in ("nf4", "int8") and t.quant_backend == "bnb"
     if attn:
         out["lora_attn_low_rank"] = 4 * c * tok * r  # q, k, v, o: x A for each
-    else:
+    elif not keeps_inputs:
         out["qkv_input"] = 0 * out["qkv_input"]  # only the frozen q/k/v weights would have saved it
         if eager:
             out["attn_output"] = 0 * out["attn_output"]  # flash keeps its output for its own backward
@@ -236,7 +241,7 @@ def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, eager: bool) ->
     if mlp:
         n_in = 2 if run.model.mlp == "swiglu" else 1
         out["lora_mlp_low_rank"] = (n_in + 1) * c * tok * r  # gate/up (or fc), down
-    else:
+    elif not keeps_inputs:
         out["mlp_input"] = 0 * out["mlp_input"]  # input of the frozen gate/up (or fc) only
         out["mlp_act_output"] = 0 * out["mlp_act_output"]  # input of the frozen down (or proj) only
 
