@@ -60,7 +60,11 @@ def test_amp_weight_casts_exclude_the_embedding_and_follow_recompute():
     b = stage_buffers(run(precision="bf16"))["amp_weight_casts"]
     assert b.bytes == 2 * (N - EMB - 9 * 64) == 652_288
     assert b.phases == FWD_BWD
-    assert stage_buffers(run(precision="bf16", recompute="full"))["amp_weight_casts"].phases == {"forward"}
+    # full (and op-level) recompute: the casts live through the forward only (its moments: the loss, the last
+    # layer's start and end), re-cast layer by layer in backward
+    fwd_moments = {"forward", "forward_layer", "forward_layer_end"}
+    assert stage_buffers(run(precision="bf16", recompute="full"))["amp_weight_casts"].phases == fwd_moments
+    assert stage_buffers(run(precision="bf16", recompute="op"))["amp_weight_casts"].phases == fwd_moments
     # pp=2: stage 0 holds layers 0-1 and the embedding (no cast), stage 1 layers 2-3, final norm and head
     assert stage_buffers(run(precision="bf16", pp=2), 0)["amp_weight_casts"].bytes == 2 * (2 * LAYER - 4 * 64)
     assert stage_buffers(run(precision="bf16", pp=2), 1)["amp_weight_casts"].bytes == 2 * (2 * LAYER - 4 * 64 + EMB)
@@ -86,6 +90,15 @@ def test_foreach_adam_temporaries():
     assert "foreach_adam_temporaries" not in stage_buffers(run(profile="megatron"))  # fused Adam by default
 
 
+def test_single_tensor_adam_temporaries():
+    # foreach=False: `_single_tensor_adam` steps one parameter at a time; `exp_avg_sq.sqrt() / bias_correction2_sqrt`
+    # holds the sqrt and the quotient together, of the largest tensor: the 1000 x 64 embedding (or head), fp32
+    b = stage_buffers(run(precision="fp32", foreach=False))
+    assert b["adam_step_temporaries"].bytes == 2 * 4 * 64_000 and b["adam_step_temporaries"].phases == {"optimizer"}
+    assert "foreach_adam_temporaries" not in b
+    assert "adam_step_temporaries" not in stage_buffers(run(profile="megatron", precision="bf16"))  # fused Adam
+
+
 def test_fsdp2_zero3_working_set():
     # bf16 params / fp32 reduce, dp=4. Units: each layer (65664; every dim 0 (64, 256) divides by 4: no padding)
     # and the root (embedding 64000 + final norm 64 + head 64000 = 128064; vocab 1000 divides by 4).
@@ -100,8 +113,13 @@ def test_fsdp2_zero3_working_set():
     assert b["fsdp_backward_working_set"].phases == {"backward_layer"}
     assert b["fsdp_backward_prefetch"].bytes == 2 * layer
     assert b["fsdp_backward_prefetch"].phases == {"backward_prefetch"}
-    # forward: the last unit's all-gather output is still live at the LM head matmul
-    assert b["fsdp_forward_gather"].bytes == 2 * layer and b["fsdp_forward_gather"].phases == {"forward_head"}
+    # forward: an all-gather output is freed only by the next copy-out, so the last unit's is still live at the LM
+    # head matmul, and the one before it at the last unit's copy-out, beside that unit's own all-gather output
+    # and unsharded params (measured: fake world 1024, 3 x 2,301,952 B of padded fp32 layer buffers at once)
+    assert b["fsdp_forward_gather"].bytes == 2 * layer
+    assert b["fsdp_forward_gather"].phases == {"forward_head", "forward_layer"}
+    assert b["fsdp_forward_working_set"].bytes == 2 * 2 * layer
+    assert b["fsdp_forward_working_set"].phases == {"forward_layer", "forward_layer_end"}
     # unsharded bf16 grads: head + final norm (64064) through the backward, the down projection (64*256) first
     assert b["fsdp_head_grads"].bytes == 2 * (EMB + 64)
     assert b["fsdp_unsharded_grads"].bytes == 2 * 64 * 256
@@ -131,7 +149,9 @@ def test_fsdp2_zero2_keeps_all_params_unsharded_beyond_the_resident_shard():
     b = stage_buffers(r)
     assert b["fsdp_unsharded_params"].bytes == 4 * N and "optimizer" not in b["fsdp_unsharded_params"].phases
     assert "fsdp_backward_working_set" not in b  # everything is gathered already
-    assert b["fsdp_forward_gather"].bytes == 4 * LAYER and b["fsdp_forward_gather"].phases == {"forward_head"}
+    assert b["fsdp_forward_gather"].bytes == 4 * LAYER
+    assert b["fsdp_forward_gather"].phases == {"forward_head", "forward_layer", "forward_layer_end"}
+    assert "fsdp_forward_working_set" not in b  # ZeRO-2: the unsharded stage is fsdp_unsharded_params
     # bf16 AMP (MixedPrecisionPolicy): fp32 shard + a bf16 unsharded copy
     r16 = run(gpus=2, zero=2, precision="bf16")
     assert model_states(r16).params == 4 * N // 2

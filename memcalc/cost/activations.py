@@ -404,6 +404,12 @@ class StageActivations:
     backward_later_layer_bytes: Num
     # the same moment with the compute-dtype logits still live (end of forward, at the LM head matmul)
     forward_head_bytes: Num
+    # the start of the last layer's forward of the last micro-batch before a backward: everything held but that
+    # layer's activations and the loss / LM-head terms (FSDP2 has just gathered the layer's parameters)
+    forward_layer_bytes: Num
+    # the end of that layer's forward: all held but the loss / LM-head terms, plus the layer's not-saved output
+    # projection result next to the residual add's output
+    forward_layer_end_bytes: Num
     # the end of that layer's backward (FSDP2's post-backward): its activations freed, the gradient of its input
     # (the residual stream) live
     backward_post_bytes: Num
@@ -608,6 +614,10 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         at_layer = layer_tr
     c = DTYPE_BYTES[run.recipe.compute_dtype]
     logits = where(last, c * _logit_elems(run), 0)
+    # the end of the last layer's forward: its down (or proj) output, not saved, beside the residual add's output,
+    # which the final norm saves on the last stage (a loss / LM-head term subtracted with `last_saved`)
+    _, tok_mb, tok_sp_mb, _ = _shape(run)
+    layer_out = c * tok_mb * m.hidden + where(last, _stream_bytes(run, c) * tok_sp_mb * m.hidden, 0)
     detail["logits_forward_transient"] = loss_fwd
     detail["logits_grad_transient"] = loss_bwd
     detail["recompute_transient"] = imax(remat, 0)
@@ -621,6 +631,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_layer_bytes=held - last_saved + at_layer,
         backward_later_layer_bytes=where(total_units > 1, held_later - last_saved + at_layer + sent, 0),
         forward_head_bytes=held - last_saved + logits + where(last, _head_saved(run), 0),
+        forward_layer_bytes=held - last_saved - unit_bytes // imax(unit_layers, 1),
+        forward_layer_end_bytes=held - last_saved + layer_out,
         backward_post_bytes=held - last_saved - unit_bytes // imax(unit_layers, 1) + _residual_grad_bytes(run),
         layers=unit_layers,
         layer_freed_bytes=unit_bytes // imax(unit_layers, 1),

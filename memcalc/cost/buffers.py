@@ -49,15 +49,19 @@ from memcalc.xp import muldiv, cdiv, imax, imin, where
 Num = Any
 
 # Moments of a step (memcalc/cost/timeline.py): "forward" (the loss of the last forward before a backward),
-# "forward_head" (the LM head matmul just before it), "backward" (the loss gradient, start of backward),
+# "forward_head" (the LM head matmul just before it), "forward_layer" (the start of the last layer's forward, its
+# parameters just gathered), "forward_layer_end" (its end, before FSDP2 reshards it), "backward" (the loss
+# gradient, start of backward),
 # "backward_layer" (inside the first layer's backward), "backward_post" (at its end), "backward_end" (the last unit's
 # gradient reduction, FSDP2), "optimizer" (the step). Two tags qualify backward moments rather than name one:
 # "backward_layer_next" (from the second layer's backward on) and "backward_prefetch" (while a next unit exists to
 # prefetch: every layer's backward moments but the stage's last layer's).
 ALL_PHASES: frozenset[str] = frozenset(
-    {"forward", "forward_head", "backward", "backward_layer", "backward_post", "backward_end", "optimizer"}
+    {"forward", "forward_head", "forward_layer", "forward_layer_end", "backward", "backward_layer", "backward_post",
+     "backward_end", "optimizer"}
 )
-FWD_BWD: frozenset[str] = frozenset({"forward", "forward_head", "backward", "backward_layer", "backward_post"})
+FWD_BWD: frozenset[str] = frozenset({"forward", "forward_head", "forward_layer", "forward_layer_end", "backward",
+                                     "backward_layer", "backward_post"})
 BACKWARD: frozenset[str] = frozenset({"backward", "backward_layer", "backward_post"})
 OPTIMIZER: frozenset[str] = frozenset({"optimizer"})
 
@@ -178,10 +182,22 @@ def _foreach_temporaries(run: Run, stage: Num) -> dict[str, Buffer]:
     allocates one tensor per parameter stepped (moment dtype), then updates it in place; AdamW decays weights in
     place, Adam's L2 decay (`weight_decay != 0`, default 0) would add a grad copy. All tensors of one device/dtype
     group are stepped at once, so the list covers every element this rank steps."""
-    if not run.recipe.foreach or run.offload != "none" or run.dp_mode == "ps":
+    if run.offload != "none" or run.dp_mode == "ps":
         return {}  # offloaded optimizer or parameter server: the step does not run on this GPU
     if run.training.optimizer not in ("adam", "adamw"):
         return {}
+    if not run.recipe.foreach:
+        if run.profile != "torch":
+            return {}  # fused Adam kernels (Megatron / Apex / DeepSpeed FusedAdam): no per-tensor temporaries
+        # torch/optim/adam.py `_single_tensor_adam`, one parameter at a time: `denom = (exp_avg_sq.sqrt() /
+        # bias_correction2_sqrt).add_(eps)` holds the sqrt and the quotient at once: two tensors of the largest
+        # parameter this rank steps (measured: 2 x the 512 x 64 fp32 embedding, row 21)
+        largest = 0
+        for d0, row, cnt in stage_tensor_shapes(run, stage):
+            largest = imax(largest, where(cnt > 0, d0 * row, 0))
+        mb = DTYPE_BYTES[run.recipe.moment_dtype]
+        return {"adam_step_temporaries": Buffer(2 * mb * _scaled(run, largest), OPTIMIZER,
+                                                "single-tensor Adam: sqrt(v) and its quotient for the largest tensor")}
     elems = _trainable_shard_elems(run, stage) if run.zero >= 1 else _trainable_elems(run, stage)
     mb = DTYPE_BYTES[run.recipe.moment_dtype]
     return {
@@ -212,7 +228,8 @@ def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
     LoRA's frozen base is already stored in the compute dtype (states.frozen_bytes), so only the fp32 adapters are
     cast; --freeze keeps fp32 weights, all cast."""
     cb = DTYPE_BYTES[run.recipe.compute_dtype]
-    phases = frozenset({"forward"}) if run.training.recompute in ("full", "op") else FWD_BWD
+    fwd_only = frozenset({"forward", "forward_layer", "forward_layer_end"})
+    phases = fwd_only if run.training.recompute in ("full", "op") else FWD_BWD
     elems = n_train if run.training.lora_rank is not None else _matmul_weight_elems(run, stage)
     return Buffer(cb * elems, phases, "autocast low-precision copies of the weights")
 
@@ -278,7 +295,8 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     root_flat = _scaled(run, d * padded_shard_elems(root_tensor_shapes(run, stage), d))
     stage_flat = _scaled(run, d * padded_shard_elems(stage_tensor_shapes(run, stage), d))
     share_num, share_den = n_train, imax(n, 1)  # only trainable parameters produce gradients (LoRA / --freeze)
-    keep = frozenset({"forward", "forward_head", "backward", "backward_layer", "backward_post", "backward_end"})
+    keep = frozenset({"forward", "forward_head", "forward_layer", "forward_layer_end", "backward", "backward_layer",
+                      "backward_post", "backward_end"})
     if run.zero == 2:
         # reshard_after_forward=False: every unit stays unsharded from its forward to its post-backward
         out["fsdp_unsharded_params"] = Buffer(where(sharded, cb * stage_flat, 0), keep,
@@ -299,7 +317,15 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
             "FSDP2 next unit's all-gather output (backward prefetch of 1; none in the last layer's backward)")
     # forward: the all-gather output of the last unit is kept (`comm_ctx.all_gather_state`, freed at the next
     # copy-out or at the root's post-forward), i.e. still live at the LM head
-    out["fsdp_forward_gather"] = Buffer(where(sharded, cb * layer_flat, 0), frozenset({"forward_head"}),
+    if run.zero >= 3:
+        # forward, from the last unit's copy-out to the end of its forward: its flat all-gather output and its
+        # unsharded parameters (padded storage); at the copy-out also the previous unit's all-gather output
+        # (below, freed only by this copy-out); the previous unit itself was resharded after its forward
+        out["fsdp_forward_working_set"] = Buffer(where(sharded, 2 * cb * layer_flat, 0),
+                                                 frozenset({"forward_layer", "forward_layer_end"}),
+                                                 "FSDP2 last unit's all-gather output and unsharded params")
+    gather_at = {"forward_head", "forward_layer"} | ({"forward_layer_end"} if run.zero == 2 else set())
+    out["fsdp_forward_gather"] = Buffer(where(sharded, cb * layer_flat, 0), frozenset(gather_at),
                                         "FSDP2 all-gather output of the last unit, freed after the forward")
     # the first unsharded gradients of backward: the LM head's and final norm's (the root reduce-scatters only
     # at its post-backward, after the embedding: they stay unsharded all through backward) and the first

@@ -7,7 +7,8 @@ per category at that moment. `allocated_peak` is the elementwise maximum of the 
 
 Phases (docs/methodology.md, "Activations" sec. 7), each the highest of its candidate moments:
 - forward: the loss of the last forward before a backward (held activations + the logits and their fp32 upcast,
-  or context-parallel ring buffers) or the LM head matmul just before it (FSDP2's last all-gather still live).
+  or context-parallel ring buffers), the LM head matmul just before it (FSDP2's last all-gather still live), or
+  the start or end of the last layer's forward (FSDP2 ZeRO-3's gathered layer buffers).
   Gradients only where the framework keeps them between steps (`ModelStates.grads_persistent`: Megatron's and
   DeepSpeed's contiguous buffers; torch's `zero_grad(set_to_none=True)` frees them).
 - backward: the loss gradient; inside the first layer's backward (`activations.layer_backward_transient`, a
@@ -132,6 +133,12 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
     fwd = _highest(
         moment(fwd_grads, act.forward_bytes, buf("forward")),
         moment(fwd_grads, act.forward_head_bytes, buf("forward_head")),
+        moment(fwd_grads, act.forward_layer_bytes, buf("forward_layer")),
+        moment(fwd_grads, act.forward_layer_end_bytes, buf("forward_layer_end")),
+        # a later micro-batch's loss (gradient accumulation, 1F1B pipelining): the gradients of the earlier ones
+        # live (GPipe runs every forward before the first backward)
+        moment(where(run.grad_accum > 1, grads if run.schedule != "gpipe" else where(run.pp > 1, fwd_grads, grads),
+                     fwd_grads), act.forward_bytes, buf("forward")),
     )
     # backward: the loss gradient (start of the first backward), the first layer's backward (loss terms freed,
     # the layer's gradient transients and the first weight gradients live), the start of a later backward
