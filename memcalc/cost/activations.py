@@ -557,18 +557,18 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         extra = extra + x
         last_saved = last_saved + x
         held = held + x * n_last
+    # one stage-boundary tensor: the residual stream of one micro-batch (its dtype; sequence-sharded with SP)
+    s_h = _stream_bytes(run, DTYPE_BYTES[run.recipe.compute_dtype]) * _shape(run)[2] * m.hidden
     for key, x in every_stage_terms(run, stage).items():
         n_x = x * n_every
         if key == "pipeline_output" and run.schedule == "interleaved":
             # only the units of the last chunk of the last rank are on the global last stage (their output: the
             # logits); the rank's other chunks output the residual stream
-            x_mid = _stream_bytes(run, DTYPE_BYTES[run.recipe.compute_dtype]) * _shape(run)[2] * m.hidden
-            n_x = where(last, x * n_last + x_mid * (n_every - n_last), n_x)
+            n_x = where(last, x * n_last + s_h * (n_every - n_last), n_x)
         detail[key] = n_x
         extra = extra + x
         held = held + n_x
 
-    s_h = _stream_bytes(run, DTYPE_BYTES[run.recipe.compute_dtype]) * _shape(run)[2] * m.hidden
     if run.profile == "torch":
         # the first layer's input of a unit on a later (global) stage is that micro-batch's pipelining receive
         # buffer (buffers.py `pipeline_recv_buffers`), saved by its norm or checkpoint without a new allocation
@@ -616,8 +616,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     logits = where(last, c * _logit_elems(run), 0)
     # the end of the last layer's forward: its down (or proj) output, not saved, beside the residual add's output,
     # which the final norm saves on the last stage (a loss / LM-head term subtracted with `last_saved`)
-    _, tok_mb, tok_sp_mb, _ = _shape(run)
-    layer_out = c * tok_mb * m.hidden + where(last, _stream_bytes(run, c) * tok_sp_mb * m.hidden, 0)
+    layer_out = c * _shape(run)[1] * m.hidden + where(last, s_h, 0)
     detail["logits_forward_transient"] = loss_fwd
     detail["logits_grad_transient"] = loss_bwd
     detail["recompute_transient"] = imax(remat, 0)

@@ -128,6 +128,10 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
                 "buffers": b}
 
     fwd_grads = grads if s.grads_persistent else zero
+    # a later micro-batch's loss (gradient accumulation, 1F1B pipelining) has the earlier ones' gradients live;
+    # a GPipe pipeline runs every forward before the first backward
+    all_forwards_first = where(run.pp > 1, True, False) if run.schedule == "gpipe" else False
+    later_fwd_g = where(run.grad_accum > 1, where(all_forwards_first, fwd_grads, grads), fwd_grads)
     # forward: the loss (every saved activation + the logits and their fp32 upcast) or, just before it, the
     # LM head matmul (FSDP2 still holds the last unit's all-gather output there)
     fwd = _highest(
@@ -135,10 +139,7 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
         moment(fwd_grads, act.forward_head_bytes, buf("forward_head")),
         moment(fwd_grads, act.forward_layer_bytes, buf("forward_layer")),
         moment(fwd_grads, act.forward_layer_end_bytes, buf("forward_layer_end")),
-        # a later micro-batch's loss (gradient accumulation, 1F1B pipelining): the gradients of the earlier ones
-        # live (GPipe runs every forward before the first backward)
-        moment(where(run.grad_accum > 1, grads if run.schedule != "gpipe" else where(run.pp > 1, fwd_grads, grads),
-                     fwd_grads), act.forward_bytes, buf("forward")),
+        moment(later_fwd_g, act.forward_bytes, buf("forward")),
     )
     # backward: the loss gradient (start of the first backward), the first layer's backward (loss terms freed,
     # the layer's gradient transients and the first weight gradients live), the start of a later backward
