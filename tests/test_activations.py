@@ -617,3 +617,25 @@ def test_torchtitan_op_level_sac_terms():
     # between Megatron-style selective (everything but the attention core) and full recompute
     plain = sum(layer_terms(r, "selective").values())
     assert layer_terms(r, "full")["checkpoint_input"] < sum(terms.values()) < plain
+
+
+def test_torch_interleaved_pipeline_holds_its_sends():
+    """torch's ScheduleInterleaved1F1B (PP2, vpp 2, m 4, 4 layers: one per chunk) runs on rank 0
+    0F0 0F1 2F0 2F1 0F2 | 2B0 0F3 2B1 2F2 0B0 2F3 0B1 | 2B2 2B3 0B2 0B3 (torch's pipeline_order) and waits for its
+    sends only when the step ends. At its last steady-state backward (0B1) it holds 5 chunk forwards; the 3
+    backwards already done (2B0, 2B1, 0B0) left their outputs (both chunks send forward) and 2 input gradients
+    (chunk 0 is the global first stage: it sends none): 5 stream tensors of 64 x 64 x 4 = 16,384 B (measured,
+    docs/validation.md row 54). Of the 5 chunk units held, the 2 on chunk 1 (global stage 2) have their input in a
+    receive buffer, not a new allocation."""
+    from memcalc.options import RunOptions, build_run
+
+    r = build_run(RunOptions(layers=4, hidden=64, heads=4, ffn=176, vocab=512, seq=64, precision="fp32", gpus=2,
+                             pp=2, vpp=2, grad_accum=4))
+    a = stage_activations(r, 0)
+    assert a.in_flight == 5
+    assert a.detail["pipeline_sent_transient"] == 5 * 16_384
+    assert a.detail["pipeline_input_in_recv_buffer"] == -2 * 16_384
+    # 1F1B waits for each send at once: nothing held
+    one = build_run(RunOptions(layers=4, hidden=64, heads=4, ffn=176, vocab=512, seq=64, precision="fp32", gpus=2,
+                               pp=2, grad_accum=4))
+    assert stage_activations(one, 0).detail["pipeline_sent_transient"] == 0

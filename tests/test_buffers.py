@@ -303,3 +303,23 @@ def test_extra_nccl_communicators():
     assert [int(x) for x in extra_communicator_bytes(arr)] == [
         extra_communicator_bytes(run(tp=t, pp=2, gpus=8 * t)) for t in (1, 2, 4)
     ]
+
+
+def test_torch_pipelining_receive_buffers():
+    # PipelineStage allocates a receive buffer per micro-batch for the activation from the previous stage and
+    # one for the gradient from the next, for its lifetime, in the stream dtype. TINY, seq 128, mb 1, m = 8,
+    # pp = 4. fp32: one buffer 128 x 64 x 4 = 32,768 B; stage 0 receives gradients only (8 buffers), a middle
+    # stage both ways (16), the last stage activations only (8). bf16 AMP keeps an fp32 stream (the same);
+    # FSDP2's MixedPrecisionPolicy a bf16 one (half).
+    r = run(precision="fp32", pp=4, grad_accum=8)
+    got = [stage_buffers(r, s)["pipeline_recv_buffers"] for s in range(4)]
+    assert [b.bytes for b in got] == [8 * 32_768, 16 * 32_768, 16 * 32_768, 8 * 32_768]
+    assert got[0].phases == ALL_PHASES
+    assert stage_buffers(run(precision="bf16", pp=4, grad_accum=8), 1)["pipeline_recv_buffers"].bytes == 16 * 32_768
+    fsdp = stage_buffers(run(precision="bf16", pp=4, gpus=8, zero=3, grad_accum=8), 1)["pipeline_recv_buffers"]
+    assert fsdp.bytes == 16 * 16_384
+    # interleaved, vpp 2: rank 0 holds global stages 0 and 4 of 8: 2 x 2 - 1 = 3 buffers per micro-batch
+    inter = resolve(TINY.model_copy(update={"layers": 8}), TrainingSpec(seq=128, precision="fp32", grad_accum=8),
+                    ParallelSpec(gpus=4, pp=4, vpp=2), HW, "torch")
+    assert stage_buffers(inter, 0)["pipeline_recv_buffers"].bytes == 8 * 3 * 32_768
+    assert stage_buffers(run(precision="fp32"))["pipeline_recv_buffers"].bytes == 0  # no pipeline
