@@ -25,18 +25,21 @@ ROWS = {
     12: "DDP, SGD momentum",
     22: "ZeroRedundancyOptimizer (ZeRO-1)",
     26: "FSDP2 ZeRO-2 bf16",
-    31: "FSDP2 ZeRO-3 full recompute",
-    32: "FSDP2 ZeRO-3 selective recompute",
     35: "TP4 + SP, bf16 AMP, GQA (loss_parallel)",
     40: "FSDP2 ZeRO-2 x TP2",
     42: "pipelining GPipe, last stage",
     43: "pipelining 1F1B, 4 stages, AMP",
-    45: "pipelining x FSDP2",
+    45: "pipelining x FSDP2 ZeRO-3",
     47: "fake world 32, ZeRO-1 greedy partition",
+    48: "fake world 64, FSDP2 ZeRO-3",
     51: "meta, FSDP2 ZeRO-3 x TP4 + SP",
     54: "pipelining interleaved 1F1B",
+    56: "interleaved 1F1B, full recompute",
     59: "TP2 + SP, torchtitan op-level SAC",
 }
+# Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
+# the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3
+# runs here on the fake process group (row 48), which is synchronous.
 
 
 @pytest.mark.parametrize("row", sorted(ROWS), ids=[f"{r}-{ROWS[r]}" for r in sorted(ROWS)])
