@@ -120,6 +120,11 @@ def test_fsdp2_zero3_working_set():
     assert b["fsdp_forward_gather"].phases == {"forward_head", "forward_layer"}
     assert b["fsdp_forward_working_set"].bytes == 2 * 2 * layer
     assert b["fsdp_forward_working_set"].phases == {"forward_layer", "forward_layer_end"}
+    # torchtitan's default: the last layer is not resharded after its forward (its backward follows at once), so
+    # it stays gathered through the loss; with pipelining every layer is resharded here (memcalc's ZeRO-3)
+    assert b["fsdp_last_unit_kept"].bytes == 2 * layer
+    assert b["fsdp_last_unit_kept"].phases == {"forward", "forward_head", "backward"}
+    assert stage_buffers(run(gpus=8, pp=2, zero=3, precision="bf16"), 1)["fsdp_last_unit_kept"].bytes == 0
     # unsharded bf16 grads: head + final norm (64064) through the backward, the down projection (64*256) first
     assert b["fsdp_head_grads"].bytes == 2 * (EMB + 64)
     assert b["fsdp_unsharded_grads"].bytes == 2 * 64 * 256

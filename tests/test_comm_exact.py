@@ -61,24 +61,25 @@ def test_loss_parallel_all_reduces():
 
 def test_fsdp2_zero3_one_call_per_unit_no_padding():
     """Row 27 (FSDP2 ZeRO-3 fp32, 2 ranks): every dim 0 divides by 2, a layer's unit is 50,304 x 4 = 201,216 B and
-    the root's 65,600 x 4 = 262,400 B. All-gather: 4 layers + the root in forward, the 4 layers again in backward =
-    9 calls, 8 x 201,216 + 262,400 = 1,872,128 B. Reduce-scatter: 5 calls, 4 x 201,216 + 262,400 = 1,067,264 B."""
+    the root's 65,600 x 4 = 262,400 B. All-gather: 4 layers + the root in forward, 3 layers again in backward (the
+    last is kept gathered from its forward, torchtitan's default) = 8 calls, 7 x 201,216 + 262,400 = 1,670,912 B.
+    Reduce-scatter: 5 calls, 4 x 201,216 + 262,400 = 1,067,264 B."""
     run = run_of(**LLAMA, precision="fp32", gpus=2, zero=3)
     assert 50_304 * 4 == 201_216 and 65_600 * 4 == 262_400
     t = totals(run)
-    assert t[("all-gather", "dp")] == (9, 8 * 201_216 + 262_400) == (9, 1_872_128)
+    assert t[("all-gather", "dp")] == (8, 7 * 201_216 + 262_400) == (8, 1_670_912)
     assert t[("reduce-scatter", "dp")] == (5, 4 * 201_216 + 262_400) == (5, 1_067_264)
 
 
 def test_fsdp2_zero3_dim0_padding_world_64():
     """Row 48 (one rank of 64, bf16 gathers, fp32 reduce-scatters): gate and up have 176 rows, padded to
     ceil(176 / 64) x 64 = 192: +2 x 16 x 64 = 2,048 elements per layer, 52,352 in all; the root's dims (512, 64)
-    divide by 64. All-gather (bf16): 8 x 52,352 x 2 + 65,600 x 2 = 837,632 + 131,200 = 968,832 B in 9 calls;
+    divide by 64. All-gather (bf16): 7 x 52,352 x 2 + 65,600 x 2 = 732,928 + 131,200 = 864,128 B in 8 calls;
     reduce-scatter (fp32): 4 x 52,352 x 4 + 65,600 x 4 = 837,632 + 262,400 = 1,100,032 B in 5 calls."""
     run = run_of(**LLAMA, precision="bf16", gpus=64, zero=3)
     assert 50_304 + 2 * 16 * 64 == 52_352
     t = totals(run)
-    assert t[("all-gather", "dp")] == (9, 8 * 52_352 * 2 + 65_600 * 2) == (9, 968_832)
+    assert t[("all-gather", "dp")] == (8, 7 * 52_352 * 2 + 65_600 * 2) == (8, 864_128)
     assert t[("reduce-scatter", "dp")] == (5, 4 * 52_352 * 4 + 65_600 * 4) == (5, 1_100_032)
     assert dtypes(run, "all-gather", "dp") == {"bf16"} and dtypes(run, "reduce-scatter", "dp") == {"fp32"}
 
@@ -86,12 +87,13 @@ def test_fsdp2_zero3_dim0_padding_world_64():
 def test_fsdp2_zero3_dim0_padding_world_1024():
     """Row 50 (one rank of 1024, fp32): every dim 0 pads to 1024 rows. Layer: q, k, v, o 4 x 1024 x 64 = 262,144;
     gate, up 2 x 1024 x 64 = 131,072; down 1024 x 176 = 180,224; norms 2 x 1024 = 2,048: 575,488 elements =
-    2,301,952 B. Root: 1024 x 64 + 1024 + 1024 x 64 = 132,096 = 528,384 B. All-gather 8 x 2,301,952 + 528,384 =
-    18,944,000 B in 9 calls; reduce-scatter 4 x 2,301,952 + 528,384 = 9,736,192 B in 5."""
+    2,301,952 B. Root: 1024 x 64 + 1024 + 1024 x 64 = 132,096 = 528,384 B. All-gather 7 x 2,301,952 + 528,384 =
+    16,642,048 B in 8 calls (the last layer kept into its backward); reduce-scatter 4 x 2,301,952 + 528,384 =
+    9,736,192 B in 5."""
     run = run_of(**LLAMA, precision="fp32", gpus=1024, zero=3)
     assert 262_144 + 131_072 + 180_224 + 2_048 == 575_488
     t = totals(run)
-    assert t[("all-gather", "dp")] == (9, 8 * 575_488 * 4 + 132_096 * 4) == (9, 18_944_000)
+    assert t[("all-gather", "dp")] == (8, 7 * 575_488 * 4 + 132_096 * 4) == (8, 16_642_048)
     assert t[("reduce-scatter", "dp")] == (5, 4 * 575_488 * 4 + 132_096 * 4) == (5, 9_736_192)
 
 

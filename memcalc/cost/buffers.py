@@ -318,6 +318,12 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     # forward: the all-gather output of the last unit is kept (`comm_ctx.all_gather_state`, freed at the next
     # copy-out or at the root's post-forward), i.e. still live at the LM head
     if run.zero >= 3:
+        # without pipelining the last layer is not resharded after its forward (torchtitan's default policy; its
+        # backward follows at once): gathered through the loss until its own backward, where it is the current
+        # unit of fsdp_backward_working_set
+        out["fsdp_last_unit_kept"] = Buffer(where(sharded, where(run.pp > 1, 0, cb * layer_flat), 0),
+                                            frozenset({"forward", "forward_head", "backward"}),
+                                            "FSDP2 last layer kept gathered from its forward to its backward")
         # forward, from the last unit's copy-out to the end of its forward: its flat all-gather output and its
         # unsharded parameters (padded storage); at the copy-out also the previous unit's all-gather output
         # (below, freed only by this copy-out); the previous unit itself was resharded after its forward

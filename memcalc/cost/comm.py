@@ -417,8 +417,9 @@ def _fsdp2_terms(run: Run, stage: Num, n: Num, seg: list[tuple[Num, Num]], ag_dt
     _fsdp_param.py `_init_sharded_param`, _fsdp_collectives.py `foreach_all_gather` / `foreach_reduce`):
     n * sum(ceil(dim0 / n) * row) elements.
     Calls, with m micro-batches and L_s layers on the stage:
-    - pp = 1, ZeRO-3: each layer is gathered in forward and again in backward (reshard_after_forward=True),
-      the root once per micro-batch (reshard_after_forward=None: False for the root; re-gathered after the
+    - pp = 1, ZeRO-3: each layer is gathered in forward and again in backward (reshard_after_forward=True) but
+      the last, which stays gathered into its backward (torchtitan's default policy), the root once per
+      micro-batch (reshard_after_forward=None: False for the root; re-gathered after the
       post-backward reshard); one reduce-scatter per unit per micro-batch (no no_sync in the torch recipe).
     - pp = 1, ZeRO-2 (reshard_after_forward=False): one gather and one reduce-scatter per unit per micro-batch.
     - pp > 1 (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`): every backward runs with
@@ -457,10 +458,13 @@ def _fsdp2_terms(run: Run, stage: Num, n: Num, seg: list[tuple[Num, Num]], ag_dt
               note="root grads: reduce-scatter every micro-batch (pp > 1: once per step)"),
     ]
     if z3:
-        out.insert(1, _term(run, "all-gather", "dp", ag_dtype, n, blk * agb, layers * where(pp_on, 1 + 0 * ga, ga),
+        # pp = 1: the last layer is not resharded after its forward (its backward follows at once)
+        out.insert(1, _term(run, "all-gather", "dp", ag_dtype, n, blk * agb,
+                            where(pp_on, layers * (1 + 0 * ga), imax(layers - 1, 0) * ga),
                             seg, window="bwd", tail=ag_tail, per_mb=True,
-                            note="params: all-gather of each layer's unit again in backward every micro-batch "
-                                 "(pp > 1: m + 1 gathers per layer per step in all)"))
+                            note="params: all-gather of each layer's unit again in backward every micro-batch, "
+                                 "the last layer kept from its forward (pp > 1: m + 1 gathers per layer per step "
+                                 "in all)"))
     return out
 
 

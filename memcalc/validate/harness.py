@@ -213,7 +213,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                 from torch.distributed.fsdp import MixedPrecisionPolicy
 
                 mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-            apply_fsdp(model, mesh["dp"], run.zero, mp)
+            apply_fsdp(model, mesh["dp"], run.zero, mp, pipelined=run.pp > 1)
         elif run.dp > 1 and run.pp == 1 and run.tp == 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -157,16 +157,20 @@ def _replicate_rest(model: nn.Module, tp_mesh: Any) -> None:
             distribute_module(mod, tp_mesh)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: Any, zero: int, mp: Any | None) -> None:
-    """FSDP2: one unit per block, then the root (embedding, final norm, head)."""
+def apply_fsdp(model: nn.Module, dp_mesh: Any, zero: int, mp: Any | None, pipelined: bool = False) -> None:
+    """FSDP2: one unit per block, then the root (embedding, final norm, head). ZeRO-3 without pipelining keeps the
+    last block gathered from its forward to its backward, which follows at once (torchtitan's default
+    `reshard_after_forward_policy`)."""
     from torch.distributed.fsdp import fully_shard
 
     reshard = zero >= 3
     kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard}
     if mp is not None:
         kw["mp_policy"] = mp
-    for blk in model.layers.values():
-        fully_shard(blk, **kw)
+    blocks = list(model.layers.values())
+    for i, blk in enumerate(blocks):
+        last = i == len(blocks) - 1 and not pipelined
+        fully_shard(blk, **{**kw, "reshard_after_forward": reshard and not last})
     # the root with FSDP2's default (None): not resharded after forward, so not gathered again in backward
     fully_shard(model, **{**kw, "reshard_after_forward": None if reshard else False})
 
