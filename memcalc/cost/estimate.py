@@ -125,26 +125,20 @@ class Estimate(_Out):
     compute: Compute
 
 
-def rank_of_stage(run: Run, stage: int) -> int:
-    """Global rank of tp=cp=dp=0 on pipeline stage `stage` under the placement order (innermost first)."""
+def rank_stride(run: Run, dim: str) -> int:
+    """Rank distance between neighbouring indices of `dim` under the placement order (innermost first)."""
     sizes = {"tp": run.tp, "cp": run.cp, "pp": run.pp, "dp": run.dp}
     stride = 1
-    for dim in run.order:
-        if dim == "pp":
-            return stage * stride
-        stride *= sizes[dim]
-    return 0
-
-
-def dp_stride(run: Run) -> int:
-    """Rank distance between neighbouring data-parallel indices under the placement order."""
-    sizes = {"tp": run.tp, "cp": run.cp, "pp": run.pp, "dp": run.dp}
-    stride = 1
-    for dim in run.order:
-        if dim == "dp":
+    for d in run.order:
+        if d == dim:
             return stride
-        stride *= sizes[dim]
+        stride *= sizes[d]
     return stride
+
+
+def rank_of_stage(run: Run, stage: int) -> int:
+    """Global rank of tp=cp=dp=0 on pipeline stage `stage`."""
+    return stage * rank_stride(run, "pp")
 
 
 def resolved_inputs(run: Run) -> dict[str, Any]:
@@ -282,7 +276,7 @@ def estimate(run: Run, stage: int | None = None, advice: bool = True) -> Estimat
         peak_bytes=headline_peak,
         peak_phase=so.peak_phase,
         worst_stage=worst.stage,
-        worst_rank=worst.first_rank + zero1_worst_dp_index(run, worst.stage) * dp_stride(run),
+        worst_rank=worst.first_rank + zero1_worst_dp_index(run, worst.stage) * rank_stride(run, "dp"),
         reported_stage=so.stage,
         capacity_bytes=capacity,
         headroom_bytes=capacity - worst.peak_bytes,

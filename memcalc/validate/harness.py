@@ -112,11 +112,8 @@ def _untracked_gloo_reduce_scatter(tracker: Any, enabled: bool) -> Any:
     orig = dist.reduce_scatter_single
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        tracker._paused += 1
-        try:
+        with tracker.paused():
             return orig(*args, **kwargs)
-        finally:
-            tracker._paused -= 1
 
     dist.reduce_scatter_single = wrapped
     try:

@@ -11,6 +11,7 @@ replayed to get the peak of each phase and the breakdown at that moment. The sam
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import defaultdict
@@ -116,11 +117,8 @@ class Tracker(TorchDispatchMode):
         prop = ShardingPropagator._propagate_tensor_meta_non_cached
 
         def propagate(sp: Any, *a: Any, **kw: Any) -> Any:
-            tracker._paused += 1
-            try:
+            with tracker.paused():
                 return prop(sp, *a, **kw)
-            finally:
-                tracker._paused -= 1
 
         self._orig_propagate = prop
         ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
@@ -134,6 +132,15 @@ class Tracker(TorchDispatchMode):
 
             ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_propagate  # type: ignore[method-assign]
         return super().__exit__(*exc)
+
+    @contextlib.contextmanager
+    def paused(self) -> Any:
+        """Outputs of ops dispatched meanwhile are not tracked (they own no memory a GPU run would hold)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     def set_phase(self, phase: str) -> None:
         with self._lock:
@@ -284,29 +291,28 @@ def replay(tr: Tracker, categories: dict[int, str], start_mark: int) -> dict[str
     start_event = marks[start_mark][0]
     phases: dict[str, dict[str, Any]] = {}
     mark_i = 0
-    current = None
-    for i, (uid, delta) in enumerate(tr.events):
-        while mark_i < len(marks) and marks[mark_i][0] <= i:
+    current: str | None = None
+
+    def observe(phase: str) -> None:
+        ph = phases.setdefault(phase, {"peak": -1, "live": {}})
+        if total > ph["peak"]:
+            ph["peak"], ph["live"] = total, dict(by_cat)
+
+    def enter_marks(upto: int) -> None:
+        nonlocal mark_i, current
+        while mark_i < len(marks) and marks[mark_i][0] <= upto:
             if mark_i >= start_mark:
                 current = marks[mark_i][1]
-                ph = phases.setdefault(current, {"peak": -1, "live": {}})
-                if total > ph["peak"]:
-                    ph["peak"], ph["live"] = total, dict(by_cat)
+                observe(current)
             mark_i += 1
-        c = cat_of(uid)
-        by_cat[c] += delta
+
+    for i, (uid, delta) in enumerate(tr.events):
+        enter_marks(i)
+        by_cat[cat_of(uid)] += delta
         total += delta
         if i >= start_event and current is not None:
-            ph = phases[current]
-            if total > ph["peak"]:
-                ph["peak"], ph["live"] = total, dict(by_cat)
-    while mark_i < len(marks):
-        if mark_i >= start_mark:
-            current = marks[mark_i][1]
-            ph = phases.setdefault(current, {"peak": -1, "live": {}})
-            if total > ph["peak"]:
-                ph["peak"], ph["live"] = total, dict(by_cat)
-        mark_i += 1
+            observe(current)
+    enter_marks(max((m[0] for m in marks), default=0))  # marks after the last event
     for ph in phases.values():
         ph["live"] = {k: int(ph["live"].get(k, 0)) for k in FINE}
     return phases
