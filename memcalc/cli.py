@@ -80,6 +80,10 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "recompute_layers": (Optional[int], None, _opt("--recompute-layers", help="Checkpoint only this many layers per "
                          "stage.", panel=_T)),
     "attention": (str, "flash", _opt("--attention", help="flash (SDPA/flash kernels) | eager.", panel=_T)),
+    "norm_impl": (str, "fused", _opt("--norm-impl", help="RMSNorm code: fused (nn.RMSNorm, Apex, TE: saves the "
+                  "input) | fp32 (eager upcast of HF, torchtune, lit-gpt: saves an fp32 copy).", panel=_T)),
+    "qkv_impl": (str, "separate", _opt("--qkv-impl", help="QKV projection: separate (q/k/v matrices: HF, "
+                 "torchtitan) | fused (one matrix whose output V views: lit-gpt).", panel=_T)),
     "loss": (str, "full", _opt("--loss", help="full (fp32 logits) | chunked.", panel=_T)),
     "dropout": (Optional[float], None, _opt("--dropout", help="Dropout probability (default: the model's).",
                 panel=_T)),
@@ -91,7 +95,10 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
             panel=_T)),
     "lora_rank": (Optional[int], None, _opt("--lora-rank", help="LoRA rank: base weights frozen, adapters train.",
                   panel=_F)),
-    "lora_targets": (str, "attn", _opt("--lora-targets", help="attn (q,k,v,o) | mlp | all.", panel=_F)),
+    "lora_targets": (str, "attn", _opt("--lora-targets", help="attn (q,k,v,o) | qv (q,v: PEFT's Llama default) | "
+                     "mlp | all.", panel=_F)),
+    "lora_dropout": (float, 0.0, _opt("--lora-dropout", help="Dropout on each adapter's input (PEFT default 0).",
+                     panel=_F)),
     "lora_alpha": (Optional[float], None, _opt("--lora-alpha", help="Accepted; scales the update, no memory effect.",
                    panel=_F)),
     "base_dtype": (Optional[str], None, _opt("--base-dtype", help="Frozen base weights: nf4 | int8 | fp8 | bf16 | "

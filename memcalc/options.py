@@ -31,7 +31,8 @@ FLAG_OF = {
     "vocab": "--vocab", "seq": "--seq", "micro_batch": "--micro-batch", "global_batch": "--global-batch",
     "grad_accum": "--grad-accum", "precision": "--precision", "grad_dtype": "--grad-dtype",
     "optimizer": "--optimizer", "recompute": "--recompute", "recompute_layers": "--recompute-layers",
-    "attention": "--attention", "loss": "--loss", "dropout": "--dropout", "fragmentation": "--fragmentation",
+    "attention": "--attention", "norm_impl": "--norm-impl", "qkv_impl": "--qkv-impl",
+    "lora_dropout": "--lora-dropout", "loss": "--loss", "dropout": "--dropout", "fragmentation": "--fragmentation",
     "mfu": "--mfu", "gpus": "--gpus", "dp": "--dp", "tp": "--tp", "pp": "--pp", "vpp": "--vpp", "cp": "--cp",
     "ep": "--ep", "zero": "--zero", "offload": "--offload", "schedule": "--schedule",
     "mlp": "--mlp", "norm": "--norm", "tied_embeddings": "--tied-embeddings", "positions": "--positions",
@@ -54,7 +55,9 @@ CHOICES = {
     "mlp": ("swiglu", "gelu"),
     "norm": ("rmsnorm", "layernorm"),
     "positions": ("rotary", "learned"),
-    "lora_targets": ("attn", "mlp", "all"),
+    "lora_targets": ("attn", "qv", "mlp", "all"),
+    "norm_impl": ("fused", "fp32"),
+    "qkv_impl": ("separate", "fused"),
     "base_dtype": ("nf4", "int8", "fp8", "bf16", "fp16", "fp32"),
     "dp_mode": ("collective", "ps", "dataparallel"),
     "quant_backend": ("bnb", "torchao"),
@@ -112,6 +115,8 @@ class RunOptions:
     recompute: str = "none"
     recompute_layers: int | None = None
     attention: str = "flash"
+    norm_impl: str = "fused"
+    qkv_impl: str = "separate"
     loss: str = "full"
     dropout: float | None = None
     foreach: bool | None = None
@@ -119,6 +124,7 @@ class RunOptions:
     mfu: float | None = None
     lora_rank: int | None = None
     lora_targets: str = "attn"
+    lora_dropout: float = 0.0
     lora_alpha: float | None = None
     base_dtype: str | None = None
     double_quant: bool = True
@@ -297,7 +303,7 @@ def build_run(o: RunOptions) -> Run:
         o = apply_imports(o)  # explicit = every field that differs from its default
     profile = check_choice("profile", o.profile)
     for field in ("precision", "grad_dtype", "optimizer", "recompute", "attention", "loss", "offload", "schedule",
-                  "lora_targets", "base_dtype", "dp_mode", "quant_backend"):
+                  "lora_targets", "base_dtype", "dp_mode", "quant_backend", "norm_impl", "qkv_impl"):
         setattr(o, field, check_choice(field, getattr(o, field)))
     for flag, v in (("--gpus", o.gpus), ("--dp", o.dp), ("--tp", o.tp), ("--pp", o.pp), ("--vpp", o.vpp),
                     ("--cp", o.cp), ("--ep", o.ep), ("--seq", o.seq), ("--micro-batch", o.micro_batch),
@@ -311,7 +317,8 @@ def build_run(o: RunOptions) -> Run:
     check_positive("--base-warmup-steps", o.base_warmup_steps, minimum=0)
     if o.base_lr is not None and not o.base_lr > 0:
         raise InputError(f"--base-lr {o.base_lr} must be positive")
-    for flag, v, hi in (("--dropout", o.dropout, 1.0), ("--fragmentation", o.fragmentation, 1.0)):
+    for flag, v, hi in (("--dropout", o.dropout, 1.0), ("--fragmentation", o.fragmentation, 1.0),
+                        ("--lora-dropout", o.lora_dropout, 1.0)):
         if v is not None and not 0.0 <= v < hi:
             raise InputError(f"{flag} {v} must be in [0, 1)")
     if o.mfu is not None and not 0.0 < o.mfu <= 1.0:
@@ -323,6 +330,7 @@ def build_run(o: RunOptions) -> Run:
             seq=o.seq, micro_batch=o.micro_batch, global_batch=o.global_batch, grad_accum=o.grad_accum,
             precision=o.precision, master_weights=o.master_weights, grad_dtype=o.grad_dtype, optimizer=o.optimizer,
             recompute=o.recompute, recompute_layers=o.recompute_layers, attention=o.attention, loss=o.loss,
+            norm_impl=o.norm_impl, qkv_impl=o.qkv_impl, lora_dropout=o.lora_dropout,
             dropout=o.dropout, foreach=o.foreach, fragmentation=o.fragmentation, mfu=o.mfu,
             lora_rank=o.lora_rank, lora_targets=o.lora_targets, lora_alpha=o.lora_alpha, base_dtype=o.base_dtype,
             double_quant=o.double_quant, quant_backend=o.quant_backend, freeze=_freeze_items(o.freeze), base_lr=o.base_lr, base_batch=o.base_batch,

@@ -107,6 +107,11 @@ class TrainingSpec(_Frozen):
     recompute: Recompute = "none"
     recompute_layers: int | None = Field(default=None, ge=0)  # None: every layer of the stage
     attention: Literal["flash", "eager"] = "flash"
+    # model code, not model shape (docs/methodology.md "Model code"): the RMSNorm kernel (fused: nn.RMSNorm /
+    # Apex / TE, saving the input and rstd; fp32: the eager upcast of HF, torchtune and lit-gpt, saving an fp32 copy
+    # of the input) and the QKV projection (separate q/k/v matrices, or one fused matrix whose output V views)
+    norm_impl: Literal["fused", "fp32"] = "fused"
+    qkv_impl: Literal["separate", "fused"] = "separate"
     loss: Literal["full", "chunked"] = "full"
     dropout: float | None = Field(default=None, ge=0.0, lt=1.0)  # None: the model's
     foreach: bool | None = None  # None: the profile's default optimizer implementation
@@ -114,7 +119,8 @@ class TrainingSpec(_Frozen):
     mfu: float | None = Field(default=None, gt=0.0, le=1.0)  # None: the GPU preset's default
     # fine-tuning (issue 7): LoRA adapters on frozen (optionally quantized) base weights, partial freezing
     lora_rank: int | None = Field(default=None, ge=1)
-    lora_targets: Literal["attn", "mlp", "all"] = "attn"
+    lora_targets: Literal["attn", "qv", "mlp", "all"] = "attn"
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)  # dropout on each adapter's input (PEFT default 0)
     lora_alpha: float | None = None  # accepted; it scales the update and does not change memory
     base_dtype: BaseDtype | None = None  # storage of frozen base weights; None: the compute dtype
     double_quant: bool = True  # QLoRA double quantization of the nf4 block scales
@@ -438,8 +444,9 @@ def _check_finetune(m: ModelSpec, t: TrainingSpec) -> None:
             )
     if t.base_dtype in QUANTIZED and t.lora_rank is None:
         raise InputError(f"--base-dtype {t.base_dtype} quantizes frozen weights: add --lora-rank R (QLoRA)")
-    if t.lora_rank is not None and m.moe is not None and t.lora_targets != "attn":
-        raise InputError("--lora-targets mlp/all on a mixture-of-experts model is not modelled; use --lora-targets attn")
+    if t.lora_rank is not None and m.moe is not None and t.lora_targets not in ("attn", "qv"):
+        raise InputError("--lora-targets mlp/all on a mixture-of-experts model is not modelled; use --lora-targets "
+                         "attn or qv")
     if (t.base_lr is None) != (t.base_batch is None):
         raise InputError("--base-lr and --base-batch go together (the reference run's learning rate and batch)")
 

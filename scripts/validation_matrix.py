@@ -125,6 +125,17 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
                                                         recompute="op"))
     add("TP2+SP bf16 op-level SAC, seq 512", dict(L, seq=512, precision="bf16", gpus=2, tp=2, sp=True,
                                                   recompute="op"))
+    # model code (--norm-impl, --qkv-impl) and LoRA variants: lit-gpt's layer, adapter dropout, pure bf16 LoRA
+    LIT = dict(norm_impl="fp32", qkv_impl="fused")
+    add("LoRA r=4 q,v + dropout, lit-gpt layer, pure bf16, single",
+        dict(L, **LIT, precision="bf16", master_weights=False, lora_rank=4, lora_targets="qv", lora_dropout=0.05))
+    add("LoRA r=4 q,v + dropout, lit-gpt layer, pure bf16, GQA, single",
+        dict(G, **LIT, precision="bf16", master_weights=False, lora_rank=4, lora_targets="qv", lora_dropout=0.05))
+    add("lit-gpt layer (fused QKV, fp32 RMSNorm), bf16 AMP, DDP", dict(L, **LIT, precision="bf16", gpus=2))
+    add("lit-gpt layer, pure bf16, GQA, FSDP2 ZeRO-3", dict(G, **LIT, precision="bf16", master_weights=False, gpus=2,
+                                                         zero=3))
+    add("LoRA r=4 all + dropout 0.1, bf16 AMP, DDP", dict(L, precision="bf16", lora_rank=4, lora_targets="all",
+                                                          lora_dropout=0.1, gpus=2))
     return c
 
 

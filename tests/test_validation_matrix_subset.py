@@ -36,6 +36,8 @@ ROWS = {
     54: "pipelining interleaved 1F1B",
     56: "interleaved 1F1B, full recompute",
     59: "TP2 + SP, torchtitan op-level SAC",
+    60: "lit-gpt layer: LoRA q,v + dropout, fused QKV, fp32 RMSNorm, pure bf16",
+    62: "lit-gpt layer, full training, DDP",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

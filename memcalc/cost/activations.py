@@ -39,6 +39,21 @@ def _fp32_norm_stats(run: Run) -> int:
     return 8 if run.model.norm == "layernorm" else 4
 
 
+def _norm_saved(run: Run, c: int, tok_sp: Num, stats: Num) -> tuple[Num, Num]:
+    """(input, normalized) bytes one norm saves. Fused (`--norm-impl fused`: aten `_fused_rms_norm` behind
+    nn.RMSNorm, native_layer_norm, Apex, TE): its input in the stream dtype plus the fp32 statistics. Eager fp32
+    RMSNorm (`--norm-impl fp32`: HF LlamaRMSNorm, torchtune RMSNorm, lit-gpt RMSNorm): `x.float()` is saved by the
+    square and by `x * rstd`, an fp32 copy of the input, plus rstd; the weight multiply saves the normalized tensor
+    (cast back to the stream dtype, as HF and torchtune do) only when the weight trains, i.e. not under LoRA.
+    LayerNorm is always the aten kernel."""
+    h = run.model.hidden
+    stream = _stream_bytes(run, c)
+    if run.training.norm_impl == "fp32" and run.model.norm == "rmsnorm":
+        normalized = stream * tok_sp * h if run.training.lora_rank is None else 0
+        return 4 * tok_sp * h + stats, normalized
+    return stream * tok_sp * h + stats, 0
+
+
 def _shape(run: Run) -> tuple[int, Num, Num, Num]:
     """(compute-dtype bytes, tok, tok_sp, tok_in): tokens of one micro-batch on this rank, in the SP region, and
     saved as the input of the column-parallel linears (QKV, MLP in, LM head)."""
@@ -155,18 +170,28 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     dropout = run.dropout > 0
     stats = 0 if paper_terms else _fp32_norm_stats(run) * tok_sp
     # a norm saves its input (+ fp32 stats); replicated over t without SP; fp32 under autocast (_stream_bytes)
-    norm = _stream_bytes(run, c) * tok_sp * h + stats
+    norm, normalized = _norm_saved(run, c, tok_sp, stats)
+    fused_qkv = run.training.qkv_impl == "fused"
+    gqa = m.kv_heads < m.heads
 
     out: dict[str, Num] = {}
     out["attn_norm"] = norm
-    # norm output, input of the QKV projection (Korthikanti: 2sbh); one copy per projection under autocast
-    out["qkv_input"] = c * tok_in * h * _input_copies(run, 3)
+    if run.training.norm_impl == "fp32" and m.norm == "rmsnorm" and run.training.lora_rank is None:
+        out["attn_norm_normalized"] = normalized
+    # norm output, input of the QKV projection (Korthikanti: 2sbh); one copy per projection under autocast (one
+    # for a fused QKV matrix)
+    out["qkv_input"] = c * tok_in * h * _input_copies(run, 1 if fused_qkv else 3)
     out["q"] = c * tok * heads * d
     # eager attention repeats K/V to all heads before the matmuls that save them (HF repeat_kv; Megatron
     # unfused DotProductAttention repeat_interleave); flash/SDPA kernels take g heads and save them as is.
-    kv_saved = heads if eager else kv
+    # A fused QKV projection (lit-gpt CausalSelfAttention) expands K and V to all heads before SDPA under GQA.
+    kv_saved = heads if (eager or (fused_qkv and gqa)) else kv
     out["k"] = c * tok * kv_saved * d
     out["v"] = c * tok * kv_saved * d
+    if fused_qkv and not gqa:
+        # lit-gpt: q, k, v are views of the fused projection's output; rotary (torch.cat) makes q and k new
+        # tensors, but V stays a view, so the attention's saved V keeps the whole (q|k|v) buffer alive
+        out["qkv_fused_buffer"] = c * tok * (heads + kv) * d
     # Rotary: q*cos + rotate_half(q)*sin saves only cos/sin (per micro-batch, shared by all layers; counted once
     # per stage in `stage_terms`), not the pre-rotary q/k: nothing per layer.
     if recompute != "selective":
@@ -184,10 +209,16 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
             out["attn_lse"] = 4 * tok * heads
     # attention output = o-projection input (Korthikanti: 2sbh); flash's saved `out` is this same tensor
     out["attn_output"] = c * tok * heads * d
+    if fused_qkv and not eager:
+        # lit-gpt's q and k come out of torch.cat head-major, so the flash output is head-major too and
+        # `y.transpose(1, 2).reshape(B, T, C)` copies it: the o projection saves the copy (when it saves its input)
+        out["attn_output_copy"] = c * tok * heads * d
     if dropout:
         out["attn_residual_dropout_mask"] = tok_sp * h  # 1 byte per element (Korthikanti: sbh)
     out["residual_adds"] = 0  # an add saves nothing; the residual stream is kept by the next norm's saved input
     out["mlp_norm"] = norm
+    if "attn_norm_normalized" in out:
+        out["mlp_norm_normalized"] = normalized
     moe = m.moe
     # norm output, input of fc / gate+up (and of the MoE router); gate and up cast it separately under autocast
     out["mlp_input"] = c * tok_in * h * _input_copies(run, 2 if m.mlp == "swiglu" and moe is None else 1)
@@ -212,38 +243,69 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     if dropout:
         out["mlp_residual_dropout_mask"] = tok_sp * h
     if run.training.lora_rank is not None:
-        _lora_terms(run, out, c, tok, eager)
+        _lora_terms(run, out, c, tok, tok_in, eager)
     return out
 
 
-def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, eager: bool) -> None:
+LORA_PROJECTIONS = {"attn": ("q", "k", "v", "o"), "qv": ("q", "v"), "mlp": ("gate", "up", "down"),
+                    "all": ("q", "k", "v", "o", "gate", "up", "down")}
+
+
+def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, tok_in: Num, eager: bool) -> None:
     """LoRA (Hu et al. 2021): a frozen linear saves no input for its weight gradient (autograd saves a matmul's
-    input only for a weight that requires grad), while each adapter saves its input x (the same tensor the base
-    linear reads: no extra bytes) and its low-rank intermediate x A (tok x r) for B's gradient. PEFT's default
-    lora_dropout = 0 is assumed (with dropout each adapter also saves a dropped copy of x).
+    input only for a weight that requires grad), while each adapter saves what its A reads and its low-rank
+    intermediate x A (tok x r) for B's gradient. Without adapter dropout A reads the base linear's own input (no
+    extra bytes); with `--lora-dropout p` each adapter module (PEFT, torchtune: one per projection; lit-gpt's fused
+    QKV: one for q, k, v together) saves a dropped copy of it and the dropout's bool mask (aten native_dropout on
+    CUDA: 1 byte per element), and the undropped input is kept only if something else saves it.
     bitsandbytes-quantized bases (`--base-dtype nf4|int8 --quant-backend bnb`) are the exception: MatMul4Bit /
     MatMul8bitLt keep their input A for backward (`ctx.tensors = (A, B)` when an input needs a gradient) even
     though the weight is frozen, so every base linear's input stays saved, as without LoRA. torchao's
-    linear_nf4 (torchtune) saves only the weight."""
+    linear_nf4 (torchtune) saves only the weight.
+    lit-gpt's fused-QKV adapter (`LoRAQKVLinear.zero_pad`) scatters the adapted projections' outputs into a
+    zero qkv-wide tensor with `index_copy`, whose autograd keeps its source: tok x (adapted q/k/v widths)."""
     t = run.training
+    m = run.model
     r = t.lora_rank
-    attn = t.lora_targets in ("attn", "all")
-    mlp = t.lora_targets in ("mlp", "all")
+    h, d = m.hidden, m.head_dim
+    heads, kv = m.heads // run.tp, m.kv_heads // run.tp
+    targets = LORA_PROJECTIONS[t.lora_targets]
     keeps_inputs = t.base_dtype in ("nf4", "int8") and t.quant_backend == "bnb"
-    if attn:
-        out["lora_attn_low_rank"] = 4 * c * tok * r  # q, k, v, o: x A for each
-    elif not keeps_inputs:
-        out["qkv_input"] = 0 * out["qkv_input"]  # only the frozen q/k/v weights would have saved it
-        if eager:
-            out["attn_output"] = 0 * out["attn_output"]  # flash keeps its output for its own backward
-    if run.model.moe is not None:
+    dropped = t.lora_dropout > 0
+    fused = t.qkv_impl == "fused"
+    qkv_adapted = [p for p in ("q", "k", "v") if p in targets]
+    n_attn = len(qkv_adapted) + (1 if "o" in targets else 0)
+    if n_attn:
+        out["lora_attn_low_rank"] = n_attn * c * tok * r  # x A for each adapted projection
+    # the norm output read by q, k, v: saved by an adapter that reads it undropped, or by a bnb base
+    if not keeps_inputs and not (qkv_adapted and not dropped):
+        out["qkv_input"] = 0 * out["qkv_input"]
+    if qkv_adapted and dropped:
+        copies = 1 if fused else len(qkv_adapted)
+        out["lora_dropout_qkv"] = copies * (c + 1) * tok_in * h  # dropped copy + bool mask per dropout module
+    if qkv_adapted and fused:
+        widths = {"q": heads * d, "k": kv * d, "v": kv * d}
+        out["lora_qkv_zero_pad"] = c * tok * sum(widths[p] for p in qkv_adapted)
+    # the o projection's input: flash keeps the attention output for its own backward; eager does not
+    o_reads = keeps_inputs or ("o" in targets and not dropped)
+    if "o" in targets and dropped:
+        out["lora_dropout_o"] = (c + 1) * tok * heads * d
+    if "attn_output_copy" in out and not o_reads:
+        out["attn_output_copy"] = 0 * out["attn_output_copy"]
+    if eager and not o_reads:
+        out["attn_output"] = 0 * out["attn_output"]
+    if m.moe is not None:
         return  # MoE: LoRA on attention only (resolve() refuses mlp targets); expert terms unchanged
+    mlp = "down" in targets
+    n_in = 2 if m.mlp == "swiglu" else 1  # gate and up (or fc): one adapter each
     if mlp:
-        n_in = 2 if run.model.mlp == "swiglu" else 1
         out["lora_mlp_low_rank"] = (n_in + 1) * c * tok * r  # gate/up (or fc), down
-    elif not keeps_inputs:
+    if not keeps_inputs and not (mlp and not dropped):
         out["mlp_input"] = 0 * out["mlp_input"]  # input of the frozen gate/up (or fc) only
         out["mlp_act_output"] = 0 * out["mlp_act_output"]  # input of the frozen down (or proj) only
+    if mlp and dropped:
+        f_t = cdiv(m.ffn, run.tp)
+        out["lora_dropout_mlp"] = n_in * (c + 1) * tok_in * h + (c + 1) * tok * f_t
 
 
 def layer_bytes(run: Run, recompute: str = "none", paper_terms: bool = False) -> Num:
@@ -261,6 +323,17 @@ def first_stage_terms(run: Run) -> dict[str, Num]:
     out: dict[str, Num] = {"embedding_input_ids": 8 * tok}
     if run.dropout > 0:
         out["embedding_dropout_mask"] = tok_sp * run.model.hidden  # Korthikanti sec. 4.3: sbh/t per micro-batch
+    t = run.training
+    if t.lora_rank is not None and t.recompute in ("none", "selective"):
+        # LoRA freezes the embedding and the norms: the first layer's input needs no gradient, so its input norm
+        # records nothing for autograd (and a LoRA dropout there keeps no mask); the adapters make the rest of
+        # the layer require grad. Measured by the harness (docs/validation.md, LoRA rows).
+        terms = layer_terms(run)
+        less = terms["attn_norm"]
+        if "lora_dropout_qkv" in terms:
+            c = DTYPE_BYTES[run.recipe.compute_dtype]
+            less = less + terms["lora_dropout_qkv"] // (c + 1)  # the masks: 1 of each copy's c + 1 bytes
+        out["first_layer_frozen_input"] = 0 - less
     return out
 
 
@@ -270,9 +343,12 @@ def last_stage_terms(run: Run) -> dict[str, Num]:
     c, tok, tok_sp, tok_in = _shape(run)
     h = m.hidden
     stats = _fp32_norm_stats(run) * tok_sp
+    norm_in, normalized = _norm_saved(run, c, tok_sp, stats)
     out = {
-        "final_norm": _stream_bytes(run, c) * tok_sp * h + stats,
-        "output_layer_input": c * tok_in * h,  # Korthikanti sec. 4.3: 2sbh/t (with SP)
+        "final_norm": norm_in + normalized,
+        # Korthikanti sec. 4.3: 2sbh/t (with SP); a frozen head (LoRA: tied or not, it is the frozen embedding or
+        # a frozen linear) saves no input for a weight gradient
+        "output_layer_input": 0 if run.training.lora_rank is not None else c * tok_in * h,
         # cross-entropy in fp32: the log-softmax (torch) or softmax (Megatron vocab-parallel CE) saved for
         # backward, s*b*V/t fp32 (Korthikanti sec. 4.3: 4sbv/t); one chunk of it with a chunked loss
         "loss_logits_fp32": 4 * _loss_fp32_elems(run) * _gathered_replicas(run),
@@ -421,8 +497,9 @@ class StageActivations:
 
 # terms saved in forward up to and including the attention core; the rest of a layer (output projection, MLP,
 # their norms and masks) is saved after it, so its backward runs (and frees them) before the core's
-_UP_TO_CORE = ("attn_norm", "qkv_input", "q", "k", "v", "attn_softmax", "attn_dropout_mask", "attn_dropout_output",
-               "attn_lse", "lora_attn_low_rank")
+_UP_TO_CORE = ("attn_norm", "attn_norm_normalized", "qkv_input", "q", "k", "v", "qkv_fused_buffer", "attn_softmax",
+               "attn_dropout_mask", "attn_dropout_output", "attn_lse", "lora_attn_low_rank", "lora_dropout_qkv",
+               "lora_qkv_zero_pad")
 _CORE = ("attn_softmax", "attn_dropout_mask", "attn_dropout_output", "attn_lse")
 
 

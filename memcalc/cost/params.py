@@ -175,6 +175,8 @@ def lora_layer_params(m: ModelSpec, targets: str, rank: int, tp: Num = 1) -> Num
     if targets in ("attn", "all"):
         total = total + 3 * h * rank + rank * (a * d + 2 * g * d) // tp  # q, k, v
         total = total + (a * d) * rank // tp + rank * h  # o
+    if targets == "qv":  # Hu et al. 2021 sec. 7.1 (W_q, W_v); PEFT's default target_modules for Llama
+        total = total + 2 * h * rank + rank * (a * d + g * d) // tp
     if targets in ("mlp", "all"):
         n_in = 2 if m.mlp == "swiglu" else 1
         total = total + n_in * (h * rank + rank * m.ffn // tp)  # gate/up (or fc)

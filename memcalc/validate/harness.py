@@ -174,13 +174,14 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
             _untracked_gloo_reduce_scatter(tracker, gloo):
         with torch.device(torch_device):
             model = GPT(m, kernel=t.attention, dropout=run.dropout, recompute=t.recompute,
-                        recompute_layers=t.recompute_layers)
+                        recompute_layers=t.recompute_layers, norm_impl=t.norm_impl, qkv_impl=t.qkv_impl)
         if param_dtype != torch.float32:
             model.to(param_dtype)
         if t.lora_rank is not None:
             from memcalc.validate.model import apply_lora
 
-            apply_lora(model, t.lora_targets, t.lora_rank, DTYPES[t.base_dtype or recipe.compute_dtype])
+            apply_lora(model, t.lora_targets, t.lora_rank, DTYPES[t.base_dtype or recipe.compute_dtype],
+                       t.lora_dropout, param_dtype)
         chunks: list[Any] = []
         if run.pp > 1 and run.vpp > 1:
             # interleaved 1F1B: this rank holds the global stages pp_rank + k*pp, k < vpp (torchtitan's
@@ -190,7 +191,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
             for k in range(1, run.vpp):
                 with torch.device(torch_device):
                     full = GPT(m, kernel=t.attention, dropout=run.dropout, recompute=t.recompute,
-                               recompute_layers=t.recompute_layers)
+                               recompute_layers=t.recompute_layers, norm_impl=t.norm_impl, qkv_impl=t.qkv_impl)
                 if param_dtype != torch.float32:
                     full.to(param_dtype)
                 chunks.append(split_stage(full, coords["pp"] + k * run.pp, n_stages, run))

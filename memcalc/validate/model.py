@@ -55,10 +55,34 @@ class RMSNorm(nn.RMSNorm):
         return _FusedRMSNorm.apply(x, self.weight, self.eps)
 
 
-def _norm(m: ModelSpec) -> nn.Module:
+class EagerRMSNorm(nn.Module):
+    """RMSNorm computed in fp32 from `x.float()` and cast back before the weight multiply (HF LlamaRMSNorm,
+    torchtune RMSNorm; lit-gpt multiplies in fp32): autograd keeps the fp32 copy, rstd and, when the weight
+    trains, the normalized tensor. The cost model's `--norm-impl fp32` (activations.py `_norm_saved`)."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def _norm(m: ModelSpec, impl: str = "fused") -> nn.Module:
     if m.norm == "rmsnorm":
-        return RMSNorm(m.hidden, eps=1e-6)
+        return EagerRMSNorm(m.hidden) if impl == "fp32" else RMSNorm(m.hidden, eps=1e-6)
     return nn.LayerNorm(m.hidden, eps=1e-5)
+
+
+def lora_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout as CUDA runs F.dropout (aten native_dropout: a bool mask saved), on every device; on CPU F.dropout
+    would save a mask in the input's dtype instead."""
+    if not p or not training:
+        return x
+    return torch.native_dropout(x, p, True)[0]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -75,22 +99,39 @@ def rotary_cos_sin(seq: int, dim: int, device: Any, dtype: torch.dtype, base: fl
 
 
 class Attention(nn.Module):
-    def __init__(self, m: ModelSpec, kernel: str, dropout: float, selective: bool):
+    def __init__(self, m: ModelSpec, kernel: str, dropout: float, selective: bool, qkv_impl: str = "separate"):
         super().__init__()
         h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
-        self.d, self.rep = d, a // g
+        self.d, self.rep, self.groups = d, a // g, g
         self.rotary = m.positions == "rotary"
         self.kernel, self.dropout, self.selective = kernel, dropout, selective
-        self.q = nn.Linear(h, a * d, bias=m.qkv_bias)
-        self.k = nn.Linear(h, g * d, bias=m.qkv_bias)
-        self.v = nn.Linear(h, g * d, bias=m.qkv_bias)
+        self.fused = qkv_impl == "fused"
+        if self.fused:
+            # lit-gpt CausalSelfAttention: one matrix, output laid out per KV group as (q_per_kv queries, k, v)
+            self.qkv = nn.Linear(h, (a + 2 * g) * d, bias=m.qkv_bias)
+        else:
+            self.q = nn.Linear(h, a * d, bias=m.qkv_bias)
+            self.k = nn.Linear(h, g * d, bias=m.qkv_bias)
+            self.v = nn.Linear(h, g * d, bias=m.qkv_bias)
         self.o = nn.Linear(a * d, h, bias=m.linear_bias)
+
+    def _fused_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as views of the fused output (lit-gpt); under GQA k and v are expanded to every query head and
+        the reshape copies them, as lit-gpt does for SDPA in training."""
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.groups, self.rep + 2, self.d).permute(0, 2, 3, 1, 4)
+        q, k, v = qkv.split((self.rep, 1, 1), dim=2)
+        if self.rep > 1:
+            k = k.expand(b, self.groups, self.rep, s, self.d)
+            v = v.expand(b, self.groups, self.rep, s, self.d)
+        return tuple(t.reshape(b, -1, s, self.d) for t in (q, k, v))  # type: ignore[return-value]
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         if self.kernel == "flash":
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.rep > 1)
-        if self.rep > 1:
+            gqa = self.rep > 1 and k.shape[1] != q.shape[1]
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+        if self.rep > 1 and k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(self.rep, dim=1)
             v = v.repeat_interleave(self.rep, dim=1)
         s = q.shape[-2]
@@ -104,18 +145,29 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q(x).view(b, s, -1, self.d).transpose(1, 2)
-        k = self.k(x).view(b, s, -1, self.d).transpose(1, 2)
-        v = self.v(x).view(b, s, -1, self.d).transpose(1, 2)
+        if self.fused:
+            q, k, v = self._fused_qkv(x)
+        else:
+            q = self.q(x).view(b, s, -1, self.d).transpose(1, 2)
+            k = self.k(x).view(b, s, -1, self.d).transpose(1, 2)
+            v = self.v(x).view(b, s, -1, self.d).transpose(1, 2)
         if self.rotary:
             assert rope is not None
             cos, sin = rope
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
+        if self.fused:
+            # lit-gpt's torch.cat after rotary leaves q and k head-major (contiguous), as is V's expanded copy
+            q, k = q.contiguous(), k.contiguous()
         if self.selective:
             y = checkpoint(self._core, q, k, v, use_reentrant=False)
         else:
             y = self._core(q, k, v)
+        if self.fused:
+            # CUDA's flash kernel writes its output in q's (head-major) layout, so lit-gpt's
+            # `y.transpose(1, 2).reshape(B, T, C)` copies it; CPU's kernel writes token-major, so make it head-major
+            # first (a no-op on CUDA) to keep the copy the o projection reads
+            y = y.contiguous()
         y = y.transpose(1, 2).reshape(b, s, -1)
         y = self.o(y)
         if self.dropout and self.training:
@@ -146,11 +198,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, m: ModelSpec, kernel: str, dropout: float, selective: bool):
+    def __init__(self, m: ModelSpec, kernel: str, dropout: float, selective: bool, norm_impl: str = "fused",
+                 qkv_impl: str = "separate"):
         super().__init__()
-        self.norm1 = _norm(m)
-        self.attn = Attention(m, kernel, dropout, selective)
-        self.norm2 = _norm(m)
+        self.norm1 = _norm(m, norm_impl)
+        self.attn = Attention(m, kernel, dropout, selective, qkv_impl)
+        self.norm2 = _norm(m, norm_impl)
         self.mlp = MLP(m, dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -182,9 +235,9 @@ class Embed(nn.Module):
 
 
 class Head(nn.Module):
-    def __init__(self, m: ModelSpec):
+    def __init__(self, m: ModelSpec, norm_impl: str = "fused"):
         super().__init__()
-        self.norm = _norm(m)
+        self.norm = _norm(m, norm_impl)
         self.out = nn.Linear(m.hidden, m.vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,20 +290,21 @@ class GPT(nn.Module):
     """embed -> blocks -> head. Any part may be None on a pipeline stage that does not hold it."""
 
     def __init__(self, m: ModelSpec, kernel: str = "flash", dropout: float = 0.0, recompute: str = "none",
-                 recompute_layers: int | None = None):
+                 recompute_layers: int | None = None, norm_impl: str = "fused", qkv_impl: str = "separate"):
         super().__init__()
         n_ckpt = m.layers if recompute_layers is None else recompute_layers
         self.embed: nn.Module | None = Embed(m, dropout)
         blocks = []
         for i in range(m.layers):
-            blk = Block(m, kernel, dropout, selective=recompute == "selective" and i < n_ckpt)
+            blk = Block(m, kernel, dropout, selective=recompute == "selective" and i < n_ckpt, norm_impl=norm_impl,
+                        qkv_impl=qkv_impl)
             if recompute in ("full", "op") and i < n_ckpt:
                 blk = Checkpointed(blk) if recompute == "full" else OpCheckpointed(blk)
             blocks.append(blk)
         self.layers = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
         self.rotary = m.positions == "rotary"
         self.head_dim = m.head_dim
-        self.head: nn.Module | None = Head(m)
+        self.head: nn.Module | None = Head(m, norm_impl)
         if m.tied_embeddings:
             self.head.out.weight = self.embed.tok.weight
 
@@ -282,32 +336,76 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class LoRALinear(nn.Module):
-    """A frozen base linear plus a trainable low-rank update B(A(x)) (Hu et al. 2021); B starts at zero as in PEFT."""
+    """A frozen base linear plus a trainable low-rank update B(A(dropout(x))) (Hu et al. 2021); B starts at zero
+    as in PEFT, whose LoRA layers each own their dropout."""
 
-    def __init__(self, base: nn.Linear, rank: int):
+    def __init__(self, base: nn.Linear, rank: int, dropout: float = 0.0, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.base = base
+        self.dropout = dropout
         dev = base.weight.device
-        self.lora_a = nn.Linear(base.in_features, rank, bias=False, device=dev, dtype=torch.float32)
-        self.lora_b = nn.Linear(rank, base.out_features, bias=False, device=dev, dtype=torch.float32)
+        self.lora_a = nn.Linear(base.in_features, rank, bias=False, device=dev, dtype=dtype)
+        self.lora_b = nn.Linear(rank, base.out_features, bias=False, device=dev, dtype=dtype)
         nn.init.zeros_(self.lora_b.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.lora_b(self.lora_a(x))
+        return self.base(x) + self.lora_b(self.lora_a(lora_dropout(x, self.dropout, self.training)))
 
 
-LORA_TARGETS = {"attn": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down"), "all": ("q", "k", "v", "o", "gate", "up", "down")}
+class FusedQKVLoRA(nn.Module):
+    """lit-gpt's LoRAQKVLinear on a fused QKV matrix: one dropout and one A for the adapted projections together
+    (A is r x n rows), a B per projection, and the B outputs scattered into a zero tensor of the fused width with
+    `index_copy` (lit-gpt `zero_pad`), whose autograd keeps its source."""
+
+    def __init__(self, base: nn.Linear, rank: int, dropout: float, groups: int, rep: int, head_dim: int,
+                 adapted: tuple[str, ...], dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.base, self.rank, self.dropout = base, rank, dropout
+        self.groups, self.rep, self.d = groups, rep, head_dim
+        widths = {"q": rep * groups * head_dim, "k": groups * head_dim, "v": groups * head_dim}
+        dev = base.weight.device
+        self.lora_a = nn.Linear(base.in_features, rank * len(adapted), bias=False, device=dev, dtype=dtype)
+        self.lora_b = nn.ModuleList(nn.Linear(rank, widths[p], bias=False, device=dev, dtype=dtype) for p in adapted)
+        for b in self.lora_b:
+            nn.init.zeros_(b.weight)
+        self.adapted = adapted
+
+    def _index(self, device: Any) -> torch.Tensor:
+        # the fused layout is per KV group (q_per_kv query heads, k, v); its columns for the adapted projections
+        cols = torch.arange(self.base.out_features, device=device).view(self.groups, self.rep + 2, self.d)
+        r = self.rep
+        parts = {"q": cols[:, :r].reshape(-1), "k": cols[:, r].reshape(-1), "v": cols[:, r + 1].reshape(-1)}
+        return torch.cat([parts[p] for p in self.adapted])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        a = self.lora_a(lora_dropout(x, self.dropout, self.training))
+        lora = torch.cat([b(ai) for b, ai in zip(self.lora_b, a.split(self.rank, dim=-1), strict=True)], dim=-1)
+        flat = lora.reshape(-1, lora.shape[-1])
+        padded = flat.new_zeros(flat.shape[0], out.shape[-1]).index_copy(1, self._index(x.device), flat)
+        return out + padded.view(out.shape)
 
 
-def apply_lora(model: nn.Module, targets: str, rank: int, base_dtype: torch.dtype) -> None:
+LORA_TARGETS = {"attn": ("q", "k", "v", "o"), "qv": ("q", "v"), "mlp": ("gate", "up", "down"),
+                "all": ("q", "k", "v", "o", "gate", "up", "down")}
+
+
+def apply_lora(model: nn.Module, targets: str, rank: int, base_dtype: torch.dtype, dropout: float = 0.0,
+               adapter_dtype: torch.dtype = torch.float32) -> None:
     """Freeze every base weight, store it in `base_dtype` (the compute dtype, as PEFT loads a base model), and
-    wrap the targeted projections with fp32 adapters (trained under autocast, like memcalc's torch recipe)."""
+    wrap the targeted projections with adapters in the recipe's parameter dtype: fp32 trained under autocast
+    (memcalc's AMP recipe), or bf16 with no master copy (lit-gpt `bf16-true`, torchtune)."""
     for p in model.parameters():
         p.requires_grad_(False)
     model.to(base_dtype)
     names = LORA_TARGETS[targets]
     for module in list(model.modules()):
+        if isinstance(module, Attention) and module.fused:
+            adapted = tuple(p for p in ("q", "k", "v") if p in names)
+            if adapted:
+                module.qkv = FusedQKVLoRA(module.qkv, rank, dropout, module.groups, module.rep, module.d, adapted,
+                                          adapter_dtype)
         for name in names:
             child = getattr(module, name, None)
             if isinstance(child, nn.Linear):
-                setattr(module, name, LoRALinear(child, rank))
+                setattr(module, name, LoRALinear(child, rank, dropout, adapter_dtype))

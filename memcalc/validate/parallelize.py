@@ -42,6 +42,8 @@ def check_supported(run: Run, world: str, device: str) -> None:
         raise Unsupported("--freeze and quantized base weights are not built by the harness yet; LoRA is")
     if t.lora_rank is not None and (run.tp > 1 or run.pp > 1 or run.zero >= 2 or run.cp > 1):
         raise Unsupported("LoRA runs in the harness on one rank or with DDP / ZeRO-1 (tp = pp = cp = 1, zero <= 1)")
+    if t.qkv_impl == "fused" and run.tp > 1:
+        raise Unsupported("--qkv-impl fused runs in the harness without tensor parallelism (tp = 1)")
     if run.dp_mode != "collective":
         raise Unsupported(f"--dp-mode {run.dp_mode} is not built by the harness; valid: collective")
     if run.schedule not in ("1f1b", "gpipe", "interleaved"):
