@@ -356,3 +356,19 @@ def test_op_level_sac_in_the_planner_equals_estimate():
         run = build_run(config_options(res, int(f.pair[i]), int(f.combo[i])))
         assert run.training.recompute == "op"
         assert peak_bytes(run) == int(f.peak[i])
+
+
+def test_model_code_and_lora_dropout_in_the_planner_equal_estimate():
+    """The model-code knobs (--norm-impl fp32, --qkv-impl fused) and LoRA on q,v with dropout pass through the
+    planner's array evaluation unchanged: every sampled feasible layout's bulk peak equals `estimate`'s."""
+    o = RunOptions(model="llama-2-7b", gpus=8, gpu="a100-40gb", global_batch=16, seq=2048, profile="torch",
+                   lora_rank=8, lora_targets="qv", lora_dropout=0.05, norm_impl="fp32", qkv_impl="fused",
+                   precision="bf16", master_weights=False)
+    res = search(Request(o))
+    f = res.feasible
+    assert f.size > 0
+    rng = np.random.default_rng(3)
+    for i in rng.choice(f.size, size=min(25, f.size), replace=False):
+        run = build_run(config_options(res, int(f.pair[i]), int(f.combo[i])))
+        assert run.training.qkv_impl == "fused" and run.training.lora_dropout == 0.05
+        assert peak_bytes(run) == int(f.peak[i])
