@@ -95,6 +95,14 @@ class ModelSpec(_Frozen):
         return self
 
 
+# --lora-targets: the projections of a layer that get adapters (Hu et al. 2021 sec. 7.1 adapts W_q and W_v: `qv`,
+# PEFT's default target_modules for Llama). "gate" exists only in a SwiGLU MLP; a GELU MLP's fc is "up".
+LORA_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "attn": ("q", "k", "v", "o"), "qv": ("q", "v"), "mlp": ("gate", "up", "down"),
+    "all": ("q", "k", "v", "o", "gate", "up", "down"),
+}
+
+
 class TrainingSpec(_Frozen):
     seq: int = Field(default=4096, ge=1)
     micro_batch: int = Field(default=1, ge=1)

@@ -71,8 +71,9 @@ def test_lora_dropout_copies_and_masks():
     sep = layer_terms(run_of(lora_rank=8, lora_targets="qv", lora_dropout=0.05, **BF16))
     fused = layer_terms(run_of(lora_rank=8, lora_targets="qv", lora_dropout=0.05, qkv_impl="fused", **BF16))
     assert nodrop["qkv_input"] == 2 * TOK * H and "lora_dropout_qkv" not in nodrop
-    assert sep["qkv_input"] == 0 and sep["lora_dropout_qkv"] == 2 * 3 * TOK * H
-    assert fused["lora_dropout_qkv"] == 3 * TOK * H
+    assert sep["qkv_input"] == 0 and sep["lora_dropout_qkv"] + sep["lora_dropout_qkv_mask"] == 2 * 3 * TOK * H
+    assert sep["lora_dropout_qkv_mask"] == 2 * TOK * H  # 1 byte per element, one mask per module
+    assert fused["lora_dropout_qkv"] + fused["lora_dropout_qkv_mask"] == 3 * TOK * H
     assert fused["lora_qkv_zero_pad"] == 2 * TOK * (H + H)
     assert sep["lora_attn_low_rank"] == 2 * 2 * TOK * 8  # x A for q and v
     # the frozen o projection saves nothing of its (copied) input

@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any
 
 from memcalc.cost.params import padded_vocab, stage_layers
-from memcalc.specs import DTYPE_BYTES, Run
+from memcalc.specs import DTYPE_BYTES, LORA_PROJECTIONS, Run
 from memcalc.xp import cdiv, imax, imin, where
 
 Num = Any
@@ -39,8 +39,8 @@ def _fp32_norm_stats(run: Run) -> int:
     return 8 if run.model.norm == "layernorm" else 4
 
 
-def _norm_saved(run: Run, c: int, tok_sp: Num, stats: Num) -> tuple[Num, Num]:
-    """(input, normalized) bytes one norm saves. Fused (`--norm-impl fused`: aten `_fused_rms_norm` behind
+def _norm_saved(run: Run, c: int, tok_sp: Num, stats: Num) -> tuple[Num, Num | None]:
+    """(input, normalized or None) bytes one norm saves. Fused (`--norm-impl fused`: aten `_fused_rms_norm` behind
     nn.RMSNorm, native_layer_norm, Apex, TE): its input in the stream dtype plus the fp32 statistics. Eager fp32
     RMSNorm (`--norm-impl fp32`: HF LlamaRMSNorm, torchtune RMSNorm, lit-gpt RMSNorm): `x.float()` is saved by the
     square and by `x * rstd`, an fp32 copy of the input, plus rstd; the weight multiply saves the normalized tensor
@@ -49,9 +49,9 @@ def _norm_saved(run: Run, c: int, tok_sp: Num, stats: Num) -> tuple[Num, Num]:
     h = run.model.hidden
     stream = _stream_bytes(run, c)
     if run.training.norm_impl == "fp32" and run.model.norm == "rmsnorm":
-        normalized = stream * tok_sp * h if run.training.lora_rank is None else 0
+        normalized = stream * tok_sp * h if run.training.lora_rank is None else None
         return 4 * tok_sp * h + stats, normalized
-    return stream * tok_sp * h + stats, 0
+    return stream * tok_sp * h + stats, None
 
 
 def _shape(run: Run) -> tuple[int, Num, Num, Num]:
@@ -176,7 +176,7 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
 
     out: dict[str, Num] = {}
     out["attn_norm"] = norm
-    if run.training.norm_impl == "fp32" and m.norm == "rmsnorm" and run.training.lora_rank is None:
+    if normalized is not None:
         out["attn_norm_normalized"] = normalized
     # norm output, input of the QKV projection (Korthikanti: 2sbh); one copy per projection under autocast (one
     # for a fused QKV matrix)
@@ -217,7 +217,7 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         out["attn_residual_dropout_mask"] = tok_sp * h  # 1 byte per element (Korthikanti: sbh)
     out["residual_adds"] = 0  # an add saves nothing; the residual stream is kept by the next norm's saved input
     out["mlp_norm"] = norm
-    if "attn_norm_normalized" in out:
+    if normalized is not None:
         out["mlp_norm_normalized"] = normalized
     moe = m.moe
     # norm output, input of fc / gate+up (and of the MoE router); gate and up cast it separately under autocast
@@ -245,10 +245,6 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     if run.training.lora_rank is not None:
         _lora_terms(run, out, c, tok, tok_in, eager)
     return out
-
-
-LORA_PROJECTIONS = {"attn": ("q", "k", "v", "o"), "qv": ("q", "v"), "mlp": ("gate", "up", "down"),
-                    "all": ("q", "k", "v", "o", "gate", "up", "down")}
 
 
 def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, tok_in: Num, eager: bool) -> None:
@@ -282,14 +278,16 @@ def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, tok_in: Num, ea
         out["qkv_input"] = 0 * out["qkv_input"]
     if qkv_adapted and dropped:
         copies = 1 if fused else len(qkv_adapted)
-        out["lora_dropout_qkv"] = copies * (c + 1) * tok_in * h  # dropped copy + bool mask per dropout module
+        out["lora_dropout_qkv"] = copies * c * tok_in * h  # a dropped copy per dropout module
+        out["lora_dropout_qkv_mask"] = copies * tok_in * h  # and its bool mask
     if qkv_adapted and fused:
         widths = {"q": heads * d, "k": kv * d, "v": kv * d}
         out["lora_qkv_zero_pad"] = c * tok * sum(widths[p] for p in qkv_adapted)
     # the o projection's input: flash keeps the attention output for its own backward; eager does not
     o_reads = keeps_inputs or ("o" in targets and not dropped)
     if "o" in targets and dropped:
-        out["lora_dropout_o"] = (c + 1) * tok * heads * d
+        out["lora_dropout_o"] = c * tok * heads * d
+        out["lora_dropout_o_mask"] = tok * heads * d
     if "attn_output_copy" in out and not o_reads:
         out["attn_output_copy"] = 0 * out["attn_output_copy"]
     if eager and not o_reads:
@@ -305,7 +303,8 @@ def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, tok_in: Num, ea
         out["mlp_act_output"] = 0 * out["mlp_act_output"]  # input of the frozen down (or proj) only
     if mlp and dropped:
         f_t = cdiv(m.ffn, run.tp)
-        out["lora_dropout_mlp"] = n_in * (c + 1) * tok_in * h + (c + 1) * tok * f_t
+        out["lora_dropout_mlp"] = c * (n_in * tok_in * h + tok * f_t)  # gate/up (or fc) and down modules
+        out["lora_dropout_mlp_mask"] = n_in * tok_in * h + tok * f_t
 
 
 def layer_bytes(run: Run, recompute: str = "none", paper_terms: bool = False) -> Num:
@@ -329,11 +328,7 @@ def first_stage_terms(run: Run) -> dict[str, Num]:
         # records nothing for autograd (and a LoRA dropout there keeps no mask); the adapters make the rest of
         # the layer require grad. Measured by the harness (docs/validation.md, LoRA rows).
         terms = layer_terms(run)
-        less = terms["attn_norm"]
-        if "lora_dropout_qkv" in terms:
-            c = DTYPE_BYTES[run.recipe.compute_dtype]
-            less = less + terms["lora_dropout_qkv"] // (c + 1)  # the masks: 1 of each copy's c + 1 bytes
-        out["first_layer_frozen_input"] = 0 - less
+        out["first_layer_frozen_input"] = 0 - terms["attn_norm"] - terms.get("lora_dropout_qkv_mask", 0)
     return out
 
 
@@ -345,7 +340,7 @@ def last_stage_terms(run: Run) -> dict[str, Num]:
     stats = _fp32_norm_stats(run) * tok_sp
     norm_in, normalized = _norm_saved(run, c, tok_sp, stats)
     out = {
-        "final_norm": norm_in + normalized,
+        "final_norm": norm_in if normalized is None else norm_in + normalized,
         # Korthikanti sec. 4.3: 2sbh/t (with SP); a frozen head (LoRA: tied or not, it is the frozen embedding or
         # a frozen linear) saves no input for a weight gradient
         "output_layer_input": 0 if run.training.lora_rank is not None else c * tok_in * h,
@@ -499,7 +494,7 @@ class StageActivations:
 # their norms and masks) is saved after it, so its backward runs (and frees them) before the core's
 _UP_TO_CORE = ("attn_norm", "attn_norm_normalized", "qkv_input", "q", "k", "v", "qkv_fused_buffer", "attn_softmax",
                "attn_dropout_mask", "attn_dropout_output", "attn_lse", "lora_attn_low_rank", "lora_dropout_qkv",
-               "lora_qkv_zero_pad")
+               "lora_dropout_qkv_mask", "lora_qkv_zero_pad")
 _CORE = ("attn_softmax", "attn_dropout_mask", "attn_dropout_output", "attn_lse")
 
 

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from memcalc.specs import ModelSpec, Run
+from memcalc.specs import LORA_PROJECTIONS, ModelSpec, Run
 from memcalc.xp import cdiv, imax, imin, muldiv, per_value, where
 
 Num = Any
@@ -171,16 +171,15 @@ def lora_layer_params(m: ModelSpec, targets: str, rank: int, tp: Num = 1) -> Num
     B (out x r)). With TP the adapter follows its base matrix: for column-parallel q/k/v/gate/up, A is replicated
     and B split by t; for row-parallel o/down, A is split by t and B replicated (NeMo / Megatron-core LoRA)."""
     h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
+    # (in features, out features, row-parallel) of each projection
+    shapes = {"q": (h, a * d, False), "k": (h, g * d, False), "v": (h, g * d, False), "o": (a * d, h, True),
+              "gate": (h, m.ffn, False), "up": (h, m.ffn, False), "down": (m.ffn, h, True)}
     total = 0
-    if targets in ("attn", "all"):
-        total = total + 3 * h * rank + rank * (a * d + 2 * g * d) // tp  # q, k, v
-        total = total + (a * d) * rank // tp + rank * h  # o
-    if targets == "qv":  # Hu et al. 2021 sec. 7.1 (W_q, W_v); PEFT's default target_modules for Llama
-        total = total + 2 * h * rank + rank * (a * d + g * d) // tp
-    if targets in ("mlp", "all"):
-        n_in = 2 if m.mlp == "swiglu" else 1
-        total = total + n_in * (h * rank + rank * m.ffn // tp)  # gate/up (or fc)
-        total = total + m.ffn * rank // tp + rank * h  # down
+    for p in LORA_PROJECTIONS[targets]:
+        if p == "gate" and m.mlp != "swiglu":
+            continue  # a GELU MLP has fc ("up") and proj ("down") only
+        n_in, n_out, row = shapes[p]
+        total = total + (n_in * rank // tp + rank * n_out if row else n_in * rank + rank * n_out // tp)
     return total
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memcalc.specs import ModelSpec
+from memcalc.specs import LORA_PROJECTIONS, ModelSpec
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -129,9 +129,9 @@ class Attention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         if self.kernel == "flash":
-            gqa = self.rep > 1 and k.shape[1] != q.shape[1]
+            gqa = k.shape[1] != q.shape[1]  # fused QKV has expanded K/V to every query head already
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
-        if self.rep > 1 and k.shape[1] != q.shape[1]:
+        if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(self.rep, dim=1)
             v = v.repeat_interleave(self.rep, dim=1)
         s = q.shape[-2]
@@ -386,10 +386,6 @@ class FusedQKVLoRA(nn.Module):
         return out + padded.view(out.shape)
 
 
-LORA_TARGETS = {"attn": ("q", "k", "v", "o"), "qv": ("q", "v"), "mlp": ("gate", "up", "down"),
-                "all": ("q", "k", "v", "o", "gate", "up", "down")}
-
-
 def apply_lora(model: nn.Module, targets: str, rank: int, base_dtype: torch.dtype, dropout: float = 0.0,
                adapter_dtype: torch.dtype = torch.float32) -> None:
     """Freeze every base weight, store it in `base_dtype` (the compute dtype, as PEFT loads a base model), and
@@ -398,7 +394,7 @@ def apply_lora(model: nn.Module, targets: str, rank: int, base_dtype: torch.dtyp
     for p in model.parameters():
         p.requires_grad_(False)
     model.to(base_dtype)
-    names = LORA_TARGETS[targets]
+    names = LORA_PROJECTIONS[targets]
     for module in list(model.modules()):
         if isinstance(module, Attention) and module.fused:
             adapted = tuple(p for p in ("q", "k", "v") if p in names)
