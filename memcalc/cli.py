@@ -89,8 +89,9 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                 panel=_T)),
     "foreach": (Optional[bool], None, _opt("--foreach/--no-foreach", help="Multi-tensor optimizer step (default: "
                 "the profile's).", panel=_T, show_default=False)),
-    "fragmentation": (Optional[float], None, _opt("--fragmentation", help="Fraction of reserved memory left "
-                      "unallocated by the caching allocator (default: modelled).", panel=_T)),
+    "fragmentation": (Optional[float], None, _opt("--fragmentation", help="Allocator slack: fraction of the "
+                      "compute stream's reserved memory left unallocated (default: the profile's; FSDP2's stream "
+                      "pools and the stranded logits block are added on top).", panel=_T)),
     "mfu": (Optional[float], None, _opt("--mfu", help="Assumed model-FLOPs utilisation (default: the GPU's).",
             panel=_T)),
     "lora_rank": (Optional[int], None, _opt("--lora-rank", help="LoRA rank: base weights frozen, adapters train.",

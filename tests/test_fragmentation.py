@@ -1,5 +1,5 @@
-"""Caching-allocator fragmentation (memcalc/cost/fragmentation.py): reserved = allocated / (1 - f). Defaults and
-their data in docs/methodology.md ("Fragmentation")."""
+"""Caching-allocator fragmentation (memcalc/cost/fragmentation.py): reserved = compute-stream peak / (1 - f) plus the
+side streams' pools. Defaults and their data in docs/methodology.md ("Fragmentation")."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from memcalc.cost import fragmentation as F
 from memcalc.cost.estimate import estimate
+from memcalc.cost.timeline import stage_memory
 from memcalc.specs import HardwareSpec, ModelSpec, ParallelSpec, TrainingSpec, resolve
 
 HW = HardwareSpec(name="test", memory_bytes=80 * 2**30)
@@ -22,8 +23,8 @@ def run(profile="torch", gpus=1, zero=0, fragmentation=None):
 @pytest.mark.parametrize("profile,gpus,zero,f", [
     ("torch", 8, 0, 0.03),  # DDP: one compute stream, persistent buckets
     ("torch", 8, 1, 0.03),
-    ("torch", 8, 2, 0.05),  # FSDP2: all-gather / reduce-scatter streams
-    ("torch", 8, 3, 0.05),
+    ("torch", 8, 2, 0.03),  # FSDP2: its side streams are pools of their own (below), not part of f
+    ("torch", 8, 3, 0.03),
     ("torch", 1, 3, 0.03),  # a shard group of one is not wrapped by FSDP
     ("megatron", 8, 1, 0.06),  # SimuMax: reserved = allocated / 0.94
     ("deepspeed", 8, 2, 0.03),
@@ -34,36 +35,90 @@ def test_default_fraction(profile, gpus, zero, f):
 
 
 def test_user_fraction_is_the_share_of_reserved_memory_not_allocated():
-    # f = 0.2: reserved = 8e9 / 0.8 = 10e9, fragmentation = 8e9 * 0.2 / 0.8 = 2e9
-    r = run(fragmentation=0.2)
-    assert F.fragmentation_bytes(r, 8_000_000_000) == 2_000_000_000
-    assert F.reserved_bytes(r, 8_000_000_000) == 10_000_000_000
-    assert F.fragmentation_bytes(run(fragmentation=0.0), 8_000_000_000) == 0
+    # f = 0.2: reserved = 8e9 / 0.8 = 10e9, slack = 8e9 * 0.2 / 0.8 = 2e9
+    assert F.slack_bytes(run(fragmentation=0.2), 8_000_000_000) == 2_000_000_000
+    assert F.slack_bytes(run(fragmentation=0.0), 8_000_000_000) == 0
 
 
 def test_default_bytes():
     # torch DDP default f = 0.03: 97e9 * 0.03 / 0.97 = 3e9
-    assert F.fragmentation_bytes(run(gpus=2), 97_000_000_000) == 3_000_000_000
-    assert isinstance(F.fragmentation_bytes(run(gpus=2), 97_000_000_000), int)
+    assert F.slack_bytes(run(gpus=2), 97_000_000_000) == 3_000_000_000
+    assert isinstance(F.slack_bytes(run(gpus=2), 97_000_000_000), int)
 
 
 def test_arrays_equal_scalars():
     alloc = np.array([0, 1_000_000_007, 79_999_999_999], dtype=np.int64)
     r = run(gpus=2)
-    got = F.fragmentation_bytes(r, alloc)
+    got = F.slack_bytes(r, alloc)
     assert got.dtype == np.int64
-    assert [int(x) for x in got] == [F.fragmentation_bytes(r, int(a)) for a in alloc]
-    # the torch FSDP default depends on the (array) shard degree
+    assert [int(x) for x in got] == [F.slack_bytes(r, int(a)) for a in alloc]
+    # FSDP2's pools depend on the (array) shard degree: arrays give what each scalar layout gives
     base = run(gpus=1, zero=3)
     dp = np.array([1, 2, 8], dtype=np.int64)
     arr = base.replace(dp=dp, gpus=dp)
-    got = F.fragmentation_bytes(arr, np.full(3, 19_000_000_000, dtype=np.int64))
-    want = [F.fragmentation_bytes(run(gpus=int(d), zero=3), 19_000_000_000) for d in dp]
-    assert [int(x) for x in got] == want == [587_628_866, 1_000_000_000, 1_000_000_000]
+    got = F.fragmentation_bytes(arr, stage_memory(arr))
+    want = [F.fragmentation_bytes(r1, stage_memory(r1)) for r1 in (run(gpus=int(d), zero=3) for d in dp)]
+    assert [int(x) for x in got] == want
+
+
+def test_fsdp2_side_stream_pools_by_hand():
+    """TINY (h 64, 4 layers, ffn 256, SwiGLU, RMSNorm, untied, V 1000), FSDP2 over 2 ranks, bf16 compute, fp32
+    params and grads. A layer: q, k, v, o 4 x 64*64 + 3 x 64*256 + 2 norms x 64 = 65,664 params; the root unit:
+    embedding 64,000 + head 64,000 + final norm 64 = 128,064 (every dim 0 even: no padding over 2 ranks).
+    All-gather copy-in stream: the root's output kept while layer 0 casts its shard and gathers,
+    2 B x (128,064 + 65,664 + 65,664/2) = 453,120 B. Reduce-scatter stream: every fp32 gradient shard,
+    4 B x (4 x 65,664 + 128,064) / 2 = 781,440 B."""
+    r = run(gpus=2, zero=3)
+    sm = stage_memory(r)
+    assert sm.side_stream_pools == {"fsdp_all_gather_stream": 453_120, "fsdp_reduce_scatter_stream": 781_440}
+    # without FSDP (DDP, or a shard group of one) there are no side-stream pools
+    assert stage_memory(run(gpus=2, zero=0)).side_stream_pools == {}
+    assert int(F.fragmentation_bytes(run(gpus=1, zero=3), stage_memory(run(gpus=1, zero=3)))) >= 0
+
+
+def test_loss_stranded_logits_by_hand():
+    """torch, bf16, loss in full: the bf16 logits' block (2 B x 128 tokens x 1000 = 256,000 B) is freed by the
+    fp32 upcast and cannot hold the fp32 logit-sized tensors of the loss gradient: reserved there, not allocated."""
+    r = run(gpus=1)
+    sm = stage_memory(r)
+    assert sm.loss_stranded_bytes == 256_000
+    # here the loss gradient is the compute stream's highest moment: its reserved peak is the allocated one + 256,000
+    assert sm.compute_stream_peak == sm.allocated_peak + 256_000
+    # + the default slack f/(1 - f) = 0.03/0.97 of that compute-stream peak, rounded to the nearest byte
+    assert F.fragmentation_bytes(r, sm) == 256_000 + round(sm.compute_stream_peak * (0.03 / 0.97))
+    # none where the upcast is in place (Megatron's vocab-parallel CE), absent (fp32) or chunked
+    for other in (run("megatron", gpus=1),
+                  resolve(TINY, TrainingSpec(seq=128, precision="fp32"), ParallelSpec(gpus=1), HW, "torch"),
+                  resolve(TINY, TrainingSpec(seq=128, loss="chunked"), ParallelSpec(gpus=1), HW, "torch")):
+        assert stage_memory(other).loss_stranded_bytes == 0
+
+
+@pytest.mark.parametrize("profile", ["torch", "megatron", "deepspeed"])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("gpus,pp", [(1, 1), (2, 1), (8, 1), (8, 2)])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_reserved_never_below_allocated(profile, zero, gpus, pp, recompute):
+    """Every moment's allocated bytes are the compute stream's plus side-stream blocks inside their pools, so
+    reserved >= allocated (fragmentation >= 0) for every layout."""
+    if profile == "megatron" and zero > 1:
+        pytest.skip("megatron's distributed optimizer is ZeRO-1")
+    t = TrainingSpec(seq=128, recompute=recompute, grad_accum=2)
+    m = TINY.model_copy(update={"layers": 4})
+    r = resolve(m, t, ParallelSpec(gpus=gpus, zero=zero, pp=pp), HW, profile)
+    for stage in range(pp):
+        sm = stage_memory(r, stage)
+        assert F.fragmentation_bytes(r, sm) >= 0
+        assert F.reserved_bytes(r, sm) >= sm.compute_stream_peak >= 0
 
 
 def test_estimate_reports_the_model():
     r = run(gpus=2, zero=3)
     mem = estimate(r, advice=False).memory
-    assert mem.components["fragmentation"] == F.fragmentation_bytes(r, mem.allocated_peak_bytes)
-    assert mem.peak_bytes == mem.allocated_peak_bytes + mem.components["fragmentation"] + HW.runtime_overhead_bytes
+    sm = stage_memory(r)
+    assert mem.components["fragmentation"] == F.fragmentation_bytes(r, sm)
+    assert mem.reserved_peak_bytes == mem.allocated_peak_bytes + mem.components["fragmentation"]
+    assert mem.peak_bytes == mem.reserved_peak_bytes + HW.runtime_overhead_bytes
+    # the detail adds up to the reserved peak
+    assert sum(mem.reserved_detail.values()) == mem.reserved_peak_bytes
+    assert set(mem.reserved_detail) == {"compute_stream_allocated", "loss_stranded_logits", "allocator_slack",
+                                        "fsdp_all_gather_stream", "fsdp_reduce_scatter_stream"}

@@ -409,6 +409,24 @@ def loss_transients(run: Run) -> tuple[Num, Num]:
     return fwd, bwd
 
 
+def loss_stranded_bytes(run: Run) -> Num:
+    """Bytes the caching allocator holds but cannot use at the loss gradient, on the last stage: the size of the
+    compute-dtype logits. They and their fp32 upcast (`.float()`, in the model's output or in the loss function)
+    are allocated one after the other, so they sit side by side, and both are freed before backward (the upcast
+    after the log-softmax, the logits with `del pred` or earlier). The loss gradient then allocates two fp32
+    logit-sized tensors (nll_loss's and log_softmax's gradients) while the log-softmax output is still live: the
+    first takes the fp32 part of that 1.5x hole, and the remaining compute-dtype-sized part is too small for the
+    second, which the allocator places in new memory (CUDACachingAllocator.cpp: best fit over free blocks, blocks
+    split but never moved; with expandable segments new pages go at the segment's end). The part serves again
+    the compute-dtype gradient cast after log_softmax's backward. None where the upcast is in place (Megatron),
+    absent (fp32 logits), chunked (fp32 chunks fit in the hole), or where torch pipelining keeps the logits
+    cached."""
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
+    if run.profile == "megatron" or c == 4 or run.training.loss == "chunked" or run.dp_mode == "dataparallel":
+        return 0
+    return where(run.pp > 1, 0, c * _logit_elems(run))
+
+
 def every_stage_terms(run: Run, stage: Num) -> dict[str, Num]:
     """Saved per micro-batch on every stage (besides the layers)."""
     m = run.model
@@ -488,6 +506,8 @@ class StageActivations:
     layer_freed_bytes: Num  # what one layer's backward frees (one micro-batch; the average layer of the unit)
     in_flight: Num  # units held (micro-batches; model chunks when interleaved)
     detail: dict[str, Num]  # named terms summed over layers and in-flight units; *_transient: extra at a phase
+    # reserved, not allocated, at the loss gradient (`loss_stranded_bytes`), beyond backward_first_bytes
+    loss_stranded_bytes: Num = 0
 
 
 # terms saved in forward up to and including the attention core; the rest of a layer (output projection, MLP,
@@ -709,4 +729,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         layer_freed_bytes=unit_bytes // imax(unit_layers, 1),
         in_flight=units,
         detail=detail,
+        # the loss gradient's moment is the "backward" one where the loss, not a recompute or CP ring, is its
+        # transient; there the stranded block is reserved on top
+        loss_stranded_bytes=where(last, imax(loss_bwd + loss_stranded_bytes(run), remat + ring_bwd) - bwd_tr, 0),
     )

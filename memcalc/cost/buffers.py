@@ -93,6 +93,9 @@ class Buffer:
     bytes: Num
     phases: frozenset[str]  # subset of {"forward", "backward", "optimizer"}: live at that phase's peak moment
     note: str = ""
+    # the part of `bytes` allocated on a side stream (FSDP2's all-gather copy-in stream): counted in the allocated
+    # peak, but held in that stream's own pool of the caching allocator (see side_stream_pools)
+    side_stream_bytes: Num = 0
 
 
 def _knob(run: Run, name: str, default: Any) -> Any:
@@ -249,6 +252,53 @@ def _pipeline_recv_buffers(run: Run, stage: Num) -> Num:
     return where(run.pp > 1, run.grad_accum * (2 * run.vpp - ends) * sb * tok * run.model.hidden, 0)
 
 
+def _fsdp_flat_units(run: Run, stage: Num) -> tuple[Num, Num]:
+    """(layer, root): elements of one FSDP2 unit's flat all-gather output, D x its padded shard (dim 0 of every
+    tensor padded to a multiple of D = dp*cp, _fsdp_param.py), for a transformer layer and for this stage's root
+    unit (embedding, final norm, LM head; 0 on a middle pipeline stage)."""
+    d = run.shard_degree
+    layer_flat = _scaled(run, d * padded_shard_elems(layer_tensor_shapes(run), d))
+    root_flat = _scaled(run, d * padded_shard_elems(root_tensor_shapes(run, stage), d))
+    return layer_flat, root_flat
+
+
+def side_stream_pools(run: Run, stage: Num, grads_bytes: Num) -> dict[str, Num]:
+    """Bytes the caching allocator holds for FSDP2's side streams on one rank of `stage` (empty elsewhere).
+
+    c10/cuda/CUDACachingAllocator.cpp (header comment): "Allocations are associated with a stream. Once freed,
+    blocks can be re-allocated on the same stream, but not on any other stream"; with expandable_segments each
+    stream grows its own segment. FSDP2 allocates on two side streams (torch/distributed/fsdp/_fully_shard/
+    _fsdp_collectives.py, the same since mid-2024):
+    - `foreach_all_gather` runs on the all-gather copy-in stream (forward and pre-backward prefetch): the cast of
+      the unit's sharded params to param_dtype and its flat all-gather output. In forward a unit's output is
+      freed only at the next unit's copy-out (`comm_ctx.all_gather_state`), after that unit's all-gather was
+      allocated, so the pool holds two outputs at once: the root's and the first layer's (or two layers').
+    - `foreach_reduce` allocates the reduce-scatter output in the reduce-scatter stream; the sharded gradients are
+      views of it (`torch.as_strided(reduce_output, ...)`) until `zero_grad`, so the pool keeps every gradient
+      shard (`grads_bytes`, the gradient state), plus one unit's new output while a later micro-batch accumulates
+      into them (`grad += new`). The reduce-scatter input is allocated on the compute stream (a buffer).
+    The compute stream cannot reuse these blocks: reserved memory is the compute stream's peak plus both pools
+    (fragmentation.reserved_bytes)."""
+    if run.profile != "torch" or run.zero < 2:
+        return {}
+    r = run.recipe
+    d = run.shard_degree
+    sharded = d > 1
+    cb = DTYPE_BYTES[r.compute_dtype]
+    rb = DTYPE_BYTES[r.grad_dtype]  # reduce dtype = the sharded gradient's dtype (buffers: `rb`)
+    layer_flat, root_flat = _fsdp_flat_units(run, stage)
+    first = imax(layer_flat, root_flat)  # the stage's first unit: its root when it has one
+    casts = 0 if r.param_dtype == r.compute_dtype else 1  # `all_gather_inputs`: the shards cast to param_dtype
+    # the first unit's cast and output, or its output kept while the next layer casts and gathers
+    gather = imax(first + casts * cdiv(first, d), first + layer_flat + casts * cdiv(layer_flat, d))
+    accumulate = (run.grad_accum > 1) & (run.pp == 1)  # with pipelining FSDP2 reduces once per step
+    largest = imax(layer_flat, root_flat)
+    return {
+        "fsdp_all_gather_stream": where(sharded, cb * gather, 0),
+        "fsdp_reduce_scatter_stream": where(sharded, grads_bytes + where(accumulate, rb * cdiv(largest, d), 0), 0),
+    }
+
+
 def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     r = run.recipe
     d = run.shard_degree
@@ -290,9 +340,8 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     # while their gradients (allocated by autograd in the parameter's shape) do not.
     m = run.model
     layer = _scaled(run, padded_shard_elems(layer_tensor_shapes(run), 1))
-    layer_flat = _scaled(run, d * padded_shard_elems(layer_tensor_shapes(run), d))
+    layer_flat, root_flat = _fsdp_flat_units(run, stage)
     root = imax(n - stage_layers(m, run.pp, stage) * layer, 0)
-    root_flat = _scaled(run, d * padded_shard_elems(root_tensor_shapes(run, stage), d))
     stage_flat = _scaled(run, d * padded_shard_elems(stage_tensor_shapes(run, stage), d))
     share_num, share_den = n_train, imax(n, 1)  # only trainable parameters produce gradients (LoRA / --freeze)
     keep = frozenset({"forward", "forward_head", "forward_layer", "forward_layer_end", "backward", "backward_layer",
@@ -314,7 +363,8 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
             "FSDP2 current unit unsharded (resharded at its post-backward)")
         out["fsdp_backward_prefetch"] = Buffer(
             where(sharded, cb * layer_flat, 0), frozenset({"backward_prefetch"}),
-            "FSDP2 next unit's all-gather output (backward prefetch of 1; none in the last layer's backward)")
+            "FSDP2 next unit's all-gather output (backward prefetch of 1; none in the last layer's backward)",
+            side_stream_bytes=where(sharded, cb * layer_flat, 0))
     # forward: the all-gather output of the last unit is kept (`comm_ctx.all_gather_state`, freed at the next
     # copy-out or at the root's post-forward), i.e. still live at the LM head
     if run.zero >= 3:
@@ -329,10 +379,12 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         # (below, freed only by this copy-out); the previous unit itself was resharded after its forward
         out["fsdp_forward_working_set"] = Buffer(where(sharded, 2 * cb * layer_flat, 0),
                                                  frozenset({"forward_layer", "forward_layer_end"}),
-                                                 "FSDP2 last unit's all-gather output and unsharded params")
+                                                 "FSDP2 last unit's all-gather output and unsharded params",
+                                                 side_stream_bytes=where(sharded, cb * layer_flat, 0))
     gather_at = {"forward_head", "forward_layer"} | ({"forward_layer_end"} if run.zero == 2 else set())
     out["fsdp_forward_gather"] = Buffer(where(sharded, cb * layer_flat, 0), frozenset(gather_at),
-                                        "FSDP2 all-gather output of the last unit, freed after the forward")
+                                        "FSDP2 all-gather output of the last unit, freed after the forward",
+                                        side_stream_bytes=where(sharded, cb * layer_flat, 0))
     # the first unsharded gradients of backward: the LM head's and final norm's (the root reduce-scatters only
     # at its post-backward, after the embedding: they stay unsharded all through backward) and the first
     # layer's down projection (the first weight gradient of a layer's backward)

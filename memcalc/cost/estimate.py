@@ -11,12 +11,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from memcalc import __version__
-from memcalc.cost.fragmentation import fragmentation_bytes
+from memcalc.cost.fragmentation import fragmentation_bytes, slack_bytes
 from memcalc.cost.params import stage_layers, total_params, zero1_worst_dp_index
 from memcalc.cost.timeline import CATEGORIES, StageMemory, stage_memory
 from memcalc.specs import Run
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 
 
 class _Out(BaseModel):
@@ -37,9 +37,11 @@ class StageOut(_Out):
     params: int
     components: dict[str, int]
     allocated_peak_bytes: int
+    reserved_peak_bytes: int
     peak_bytes: int
     peak_phase: str
     phases: list[PhaseOut]
+    reserved_detail: dict[str, int]
 
 
 class Advice(_Out):
@@ -58,6 +60,8 @@ class Memory(_Out):
     activations_detail: dict[str, int]
     buffers_detail: dict[str, int]
     allocated_peak_bytes: int
+    reserved_peak_bytes: int
+    reserved_detail: dict[str, int]
     peak_bytes: int
     peak_phase: str
     worst_stage: int
@@ -193,7 +197,7 @@ def _totals(run: Run, sm: StageMemory) -> tuple[int, int, int, Any]:
     """(allocated peak, fragmentation, peak incl. fragmentation and runtime, peak phase)."""
     peak_ph = _peak_phase(sm)
     allocated = int(peak_ph.total)
-    frag = int(fragmentation_bytes(run, allocated))
+    frag = int(fragmentation_bytes(run, sm))
     total = allocated + frag + int(runtime_bytes(run))
     return allocated, frag, total, peak_ph
 
@@ -212,6 +216,11 @@ def stage_report(run: Run, stage: int) -> tuple[StageMemory, StageOut]:
     comps = {k: int(peak_ph.live.get(k, 0)) for k in CATEGORIES}
     comps["fragmentation"] = frag
     comps["runtime"] = int(runtime_bytes(run))
+    own = int(sm.compute_stream_peak)
+    stranded = int(sm.loss_stranded_bytes)
+    reserved_detail = {"compute_stream_allocated": own - stranded, "loss_stranded_logits": stranded,
+                       "allocator_slack": int(slack_bytes(run, own))}
+    reserved_detail.update({k: int(v) for k, v in sm.side_stream_pools.items()})
     out = StageOut(
         stage=stage,
         first_rank=rank_of_stage(run, stage),
@@ -219,9 +228,11 @@ def stage_report(run: Run, stage: int) -> tuple[StageMemory, StageOut]:
         params=int(sm.states.stage_params),
         components=comps,
         allocated_peak_bytes=allocated,
+        reserved_peak_bytes=allocated + frag,
         peak_bytes=total,
         peak_phase=peak_ph.name,
         phases=[_phase_out(ph) for ph in sm.phases],
+        reserved_detail=reserved_detail,
     )
     return sm, out
 
@@ -273,6 +284,8 @@ def estimate(run: Run, stage: int | None = None, advice: bool = True) -> Estimat
         activations_detail={k: int(v) for k, v in sm.activations_detail.items()},
         buffers_detail={k: int(v) for k, v in sm.buffers_detail.items()},
         allocated_peak_bytes=so.allocated_peak_bytes,
+        reserved_peak_bytes=so.reserved_peak_bytes,
+        reserved_detail=so.reserved_detail,
         peak_bytes=headline_peak,
         peak_phase=so.peak_phase,
         worst_stage=worst.stage,

@@ -12,21 +12,27 @@ growing segment per stream and returns unused pages, which removes most of the g
 The model: a fraction f of reserved memory is not allocated, reserved = allocated / (1 - f), so
 fragmentation = allocated * f / (1 - f). `training.fragmentation` sets f; otherwise `default_fraction(run)` gives
 the documented figure for the profile and layout.
+
+Side streams: the allocator associates every block with the stream that allocated it and never hands a freed block
+to another stream (CUDACachingAllocator.cpp). Where a framework allocates on side streams (FSDP2:
+buffers.side_stream_pools) reserved memory is the compute stream's own peak / (1 - f) plus each side stream's pool,
+which the compute stream cannot reuse: reserved = compute_peak / (1 - f) + sum(pools) >= allocated.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from memcalc.cost.timeline import StageMemory
 from memcalc.specs import Run
-from memcalc.xp import as_int, where
+from memcalc.xp import as_int
 
 Num = Any
 
 # Published allocated/reserved pairs and the validation simulation put f between 1% and 6% for steady-state
 # training with the default allocator (docs/methodology.md table); these are the documented defaults.
 BASE_FRACTION = 0.03  # single compute stream: 512 B rounding (+0.02-0.05%) + block carving (+1.3-2.0%) + slack
-SIDE_STREAM_FRACTION = 0.05  # collectives on side streams hold blocks until their events complete (FSDP2, ZeRO-3)
+SIDE_STREAM_FRACTION = 0.05  # DeepSpeed ZeRO-3: prefetch and reduce on side streams, not modelled as pools
 MEGATRON_FRACTION = 0.06  # SimuMax models Megatron-LM's reserved memory as allocated / 0.94
 EXPANDABLE_SEGMENTS_FRACTION = 0.02  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (e.g. torchtitan's launcher)
 
@@ -37,10 +43,7 @@ def default_fraction(run: Run) -> Any:
     if run.profile == "megatron":
         return MEGATRON_FRACTION
     if run.profile == "torch":
-        # FSDP2 runs all-gather and reduce-scatter on their own streams; DDP and ZeroRedundancyOptimizer reduce on
-        # the NCCL stream into persistent buckets. A shard group of one rank is not wrapped by FSDP (buffers.py).
-        if run.zero >= 2:
-            return where(run.shard_degree > 1, SIDE_STREAM_FRACTION, BASE_FRACTION)
+        # FSDP2's side-stream blocks are pools of their own (buffers.side_stream_pools), not part of f
         return BASE_FRACTION
     # deepspeed: ZeRO-3 fetches and reduces on side streams (overlap_comm on by default); ZeRO-0/1/2 copy into
     # persistent contiguous buckets on the compute stream.
@@ -52,12 +55,24 @@ def fraction(run: Run) -> Any:
     return default_fraction(run) if f is None else f
 
 
-def fragmentation_bytes(run: Run, allocated_peak: Any) -> Any:
-    """Reserved minus allocated at the allocated peak: allocated * f / (1 - f) bytes (elementwise on arrays)."""
+def slack_bytes(run: Run, compute_peak: Any) -> Any:
+    """The allocator's slack over the compute stream's peak: compute_peak * f / (1 - f) bytes (elementwise)."""
     f = fraction(run)
-    return as_int(allocated_peak * (f / (1.0 - f)))
+    return as_int(compute_peak * (f / (1.0 - f)))
 
 
-def reserved_bytes(run: Run, allocated_peak: Any) -> Any:
-    """What `torch.cuda.max_memory_reserved()` would show: the allocated peak plus fragmentation."""
-    return allocated_peak + fragmentation_bytes(run, allocated_peak)
+def reserved_bytes(run: Run, sm: StageMemory) -> Any:
+    """What `torch.cuda.max_memory_reserved()` would show for a stage (elementwise on arrays): the compute
+    stream's peak (with the blocks it holds but cannot use there, `loss_stranded_bytes`) / (1 - f) plus the
+    side streams' pools."""
+    own = sm.compute_stream_peak
+    reserved = own + slack_bytes(run, own)
+    for pool in sm.side_stream_pools.values():
+        reserved = reserved + pool
+    return reserved
+
+
+def fragmentation_bytes(run: Run, sm: StageMemory) -> Any:
+    """Reserved minus allocated at the allocated peak (elementwise on arrays); never negative: every moment's
+    allocated bytes are the compute stream's plus side-stream blocks that lie inside their pools."""
+    return reserved_bytes(run, sm) - sm.allocated_peak

@@ -25,7 +25,7 @@ import dataclasses
 from typing import Any
 
 from memcalc.cost.activations import stage_activations
-from memcalc.cost.buffers import stage_buffers
+from memcalc.cost.buffers import side_stream_pools, stage_buffers
 from memcalc.cost.params import first_backward_grad_elems, layer_params, stage_params
 from memcalc.cost.states import ModelStates, model_states
 from memcalc.specs import DTYPE_BYTES, Run
@@ -66,13 +66,16 @@ class StageMemory:
     activations_detail: dict[str, Num]  # named terms, bytes
     buffers_detail: dict[str, Num]  # named buffers, bytes
     not_modelled: tuple[str, ...]  # components the model does not yet cover (said explicitly, never a silent 0)
+    # the highest allocated bytes of the compute stream alone, and the bytes held by side streams' allocator pools
+    # (buffers.side_stream_pools); both feed reserved memory (fragmentation.reserved_bytes)
+    compute_stream_peak: Num = 0
+    side_stream_pools: dict[str, Num] = dataclasses.field(default_factory=dict)
+    # the stranded logits block (activations.loss_stranded_bytes) as far as it raises compute_stream_peak
+    loss_stranded_bytes: Num = 0
 
     @property
     def allocated_peak(self) -> Num:
-        peak = self.phases[0].total
-        for ph in self.phases[1:]:
-            peak = imax(peak, ph.total)
-        return peak
+        return _peak(self.phases)
 
 
 def _total(live: dict[str, Num]) -> Num:
@@ -111,15 +114,87 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
     bufs = stage_buffers(run, stage)
     buffers_detail: dict[str, Num] = {}
     at: dict[str, Num] = {}
+    side_at: dict[str, Num] = {}
     for name, b in bufs.items():
         buffers_detail[name] = b.bytes
         for ph in b.phases:
             at[ph] = at.get(ph, 0) + b.bytes
+            side_at[ph] = side_at.get(ph, 0) + b.side_stream_bytes
+    grads = s.grads + s.grads_fp32
+    first_grads, shares = _first_grads(run, stage), _layer_shares(run, stage)
+    phases = _phases(run, s, act, at, grads, first_grads, shares)
+    pools = side_stream_pools(run, stage, grads)
+    stranded = act.loss_stranded_bytes
+    if pools or not (isinstance(stranded, int) and stranded == 0):
+        # what the compute stream reserves: its own blocks (without FSDP2's all-gather outputs and gradient
+        # shards, which live in the side streams' pools) and, at the loss gradient ("backward"), the logits'
+        # block it cannot reuse there
+        own_at = {ph: v - side_at.get(ph, 0) for ph, v in at.items()}
+        own_grads = where(run.shard_degree > 1, 0 * grads, grads) if pools else grads
+        own, compute_stream_peak = _reserved_peak(run, s, act, own_at, own_grads, first_grads, shares, stranded)
+        stranded = compute_stream_peak - own
+    else:
+        compute_stream_peak = _peak(phases)
+    return StageMemory(
+        stage=stage,
+        states=s,
+        phases=phases,
+        activations_detail=act.detail,
+        buffers_detail=buffers_detail,
+        not_modelled=NOT_MODELLED,
+        compute_stream_peak=compute_stream_peak,
+        side_stream_pools=pools,
+        loss_stranded_bytes=stranded,
+    )
+
+
+def _peak(phases: tuple[Phase, ...]) -> Num:
+    peak = phases[0].total
+    for ph in phases[1:]:
+        peak = imax(peak, ph.total)
+    return peak
+
+
+def _layer_shares(run: Run, stage: Num) -> tuple[Num, Num]:
+    """(elements of one layer, of the stage): one layer's share of the stage's gradients."""
+    dense_l, expert_l = layer_params(run.model, run.tp, run.ep)
+    dense_s, expert_s = stage_params(run, stage)
+    return dense_l + expert_l, imax(dense_s + expert_s, 1)
+
+
+def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: Num,
+            shares: tuple[Num, Num]) -> tuple[Phase, ...]:
+    """The phases of the step: each the highest of its moments (`_moments`)."""
+    fwd, bwd, opt, _ = _moments(run, s, act, at, grads, first_grads, shares)
+    return (
+        Phase("forward", _highest(*fwd), _FWD_NOTE),
+        Phase("backward", _highest(*bwd), _BWD_NOTE),
+        Phase("optimizer", opt, _OPT_NOTE),
+    )
+
+
+def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: Num,
+                   shares: tuple[Num, Num], stranded: Num) -> tuple[Num, Num]:
+    """(highest total over every moment of the step, the same with `stranded` bytes added at the loss gradient)."""
+    fwd, bwd, opt, losses = _moments(run, s, act, at, grads, first_grads, shares)
+    peak = _total(opt)
+    for m in fwd + bwd:
+        peak = imax(peak, _total(m))
+    return peak, imax(peak, imax(_total(losses[0]), _total(losses[1])) + stranded)
+
+
+def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: Num,
+             shares: tuple[Num, Num]) -> tuple[list[dict[str, Num]], list[dict[str, Num]], dict[str, Num],
+                                               tuple[dict[str, Num], dict[str, Num]]]:
+    """The candidate moments of forward and backward and the optimizer step, from the states, the activations, the
+    buffer bytes live per moment (`at`) and the gradient bytes counted (all of them for the allocated timeline;
+    none of FSDP2's shards for the compute stream's own); `first_grads` is `_first_grads`, `shares` the elements
+    of one layer and of the stage (`_layer_shares`). Last: the two loss-gradient moments (first and later
+    micro-batch), also among the backward ones."""
 
     def buf(phase: str) -> Num:
         return at.get(phase, 0)
 
-    grads = s.grads + s.grads_fp32
     params, master, opt = s.params, s.master_weights, s.optimizer
     zero = 0 * grads
 
@@ -134,13 +209,13 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
     later_fwd_g = where(run.grad_accum > 1, where(all_forwards_first, fwd_grads, grads), fwd_grads)
     # forward: the loss (every saved activation + the logits and their fp32 upcast) or, just before it, the
     # LM head matmul (FSDP2 still holds the last unit's all-gather output there)
-    fwd = _highest(
+    fwd = [
         moment(fwd_grads, act.forward_bytes, buf("forward")),
         moment(fwd_grads, act.forward_head_bytes, buf("forward_head")),
         moment(fwd_grads, act.forward_layer_bytes, buf("forward_layer")),
         moment(fwd_grads, act.forward_layer_end_bytes, buf("forward_layer_end")),
         moment(later_fwd_g, act.forward_bytes, buf("forward")),
-    )
+    ]
     # backward: the loss gradient (start of the first backward), the first layer's backward (loss terms freed,
     # the layer's gradient transients and the first weight gradients live), the start of a later backward
     # (fewer or as many activations, all gradients allocated), and the end of backward (FSDP2's root reduce)
@@ -148,7 +223,7 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
         first_g, layer_g, later_g = grads, grads, grads
         later_act = act.backward_first_bytes
     else:
-        first_g, layer_g, later_g = zero, imin(_first_grads(run, stage), grads), grads
+        first_g, layer_g, later_g = zero, imin(first_grads, grads), grads
         later_act = act.backward_later_bytes
     # later layers of the first backward: each frees one layer's activations (a) and adds one layer's gradients
     # (g; FSDP2: the sharded ones, plus the previous unit's reduce-scatter input held in flight,
@@ -158,15 +233,16 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
     # the ends of backward, not per layer; FSDP2 reduces the root's only at the end). FSDP2 prefetches the next
     # unit in every layer's backward but the stage's last layer's ("backward_prefetch").
     a, n_l = act.layer_freed_bytes, act.layers
-    dense_l, expert_l = layer_params(run.model, run.tp, run.ep)
-    dense_s, expert_s = stage_params(run, stage)
-    g = 0 * grads if s.grads_persistent else muldiv(grads, dense_l + expert_l, imax(dense_s + expert_s, 1))
+    layer_elems, stage_elems = shares
+    g = 0 * grads if s.grads_persistent else muldiv(grads, layer_elems, stage_elems)
     more = n_l > 1
     k_last = imax(n_l - 1, 1)
     k_pen = imax(n_l - 2, 1)  # the last layer with a prefetch
     pre = buf("backward_prefetch")
-    bwd = _highest(
-        moment(first_g, act.backward_first_bytes, buf("backward")),
+    first_loss = moment(first_g, act.backward_first_bytes, buf("backward"))
+    later_loss = moment(later_g, later_act, buf("backward"))
+    bwd = [
+        first_loss,
         moment(layer_g, act.backward_layer_bytes, buf("backward_layer") + where(more, pre, 0)),
         moment(layer_g, act.backward_post_bytes, buf("backward_post") + where(more, pre, 0)),
         moment(layer_g + where(more, g, 0), act.backward_layer_bytes - where(more, a, 0),
@@ -175,20 +251,8 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
                buf("backward_layer") + where(more, buf("backward_layer_next"), 0) + where(n_l > 2, pre, 0)),
         moment(layer_g + where(more, k_last * g, 0), act.backward_layer_bytes - where(more, k_last * a, 0),
                buf("backward_layer") + where(more, buf("backward_layer_next"), 0)),
-        moment(later_g, later_act, buf("backward")),
+        later_loss,
         moment(later_g, act.backward_later_layer_bytes, buf("backward_layer")),
         moment(grads, zero, buf("backward_end")),
-    )
-    phases = (
-        Phase("forward", fwd, _FWD_NOTE),
-        Phase("backward", bwd, _BWD_NOTE),
-        Phase("optimizer", moment(grads, zero, buf("optimizer")), _OPT_NOTE),
-    )
-    return StageMemory(
-        stage=stage,
-        states=s,
-        phases=phases,
-        activations_detail=act.detail,
-        buffers_detail=buffers_detail,
-        not_modelled=NOT_MODELLED,
-    )
+    ]
+    return fwd, bwd, moment(grads, zero, buf("optimizer")), (first_loss, later_loss)

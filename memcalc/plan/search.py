@@ -233,8 +233,9 @@ def bulk_peak(run: Run, n: int) -> np.ndarray:
     runtime = _as_i64(runtime_bytes(run), n)  # the same function estimate uses
     peak = None
     for stage in stages:
-        alloc = _as_i64(stage_memory(run, stage).allocated_peak, n)
-        total = alloc + _as_i64(fragmentation_bytes(run, alloc), n) + runtime
+        sm = stage_memory(run, stage)
+        alloc = _as_i64(sm.allocated_peak, n)
+        total = alloc + _as_i64(fragmentation_bytes(run, sm), n) + runtime
         peak = total if peak is None else np.maximum(peak, total)
     assert peak is not None
     return peak

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.text import Text
 
 from memcalc.cost.estimate import Estimate
+from memcalc.cost.fragmentation import fraction
 from memcalc.specs import DTYPE_BYTES, Run
 from memcalc.units import format_bytes
 
@@ -55,6 +56,17 @@ def render_explain(est: Estimate, run: Run, con: Console, units: str) -> None:
         _line(con, f"{ph.name:<10} {format_bytes(ph.allocated_bytes, units)} = {parts}")
     frag = mem.components.get("fragmentation", 0)
     rt = mem.components.get("runtime", 0)
+    rd = dict(mem.reserved_detail)
+    own, stranded = rd.pop("compute_stream_allocated"), rd.pop("loss_stranded_logits")
+    slack = rd.pop("allocator_slack")
+    f = fraction(run)
+    parts = [f"compute-stream peak {format_bytes(own, units)}"]
+    if stranded:
+        parts.append(f"the logits' block stranded at the loss gradient {format_bytes(stranded, units)}")
+    parts.append(f"allocator slack f/(1-f) = {f:g}/{1 - f:g} x those = {format_bytes(slack, units)}")
+    parts += [f"{k.replace('_', ' ')} pool {format_bytes(v, units)}" for k, v in rd.items()]
+    _line(con, "reserved = " + " + ".join(parts) + f" = {format_bytes(mem.reserved_peak_bytes, units)}; "
+               f"fragmentation = reserved - allocated = {format_bytes(frag, units)}")
     _line(con, f"peak = allocated {format_bytes(mem.allocated_peak_bytes, units)} + fragmentation "
                f"{format_bytes(frag, units)} + runtime {format_bytes(rt, units)} = {format_bytes(mem.peak_bytes, units)}")
     if est.communication.modelled and est.communication.collectives:

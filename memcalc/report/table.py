@@ -65,6 +65,10 @@ def _component_notes(est: Estimate, run: Run) -> dict[str, str]:
     if run.offload != "none":
         notes["optimizer"] += f", offloaded to CPU ({run.offload})"
     notes["fragmentation"] = "caching allocator: reserved - allocated"
+    pools = sum(v for k, v in est.memory.reserved_detail.items() if k.endswith("_stream"))
+    if pools:
+        notes["fragmentation"] += (f", incl. {pools / UNIT_BYTES['GiB']:.2f} GiB held by FSDP2's all-gather and "
+                                   "reduce-scatter streams")
     notes["runtime"] = "outside the allocator"
     return notes
 
