@@ -16,8 +16,8 @@ Tolerances:
 What is compared:
 - lit-gpt resource tables ("Max GPU RAM", max_memory_allocated in GB = 1e9 bytes) -> memcalc's allocated peak.
 - torchtune LoRA / QLoRA tutorials ("Peak memory reserved", GB = 1e9 bytes; torchtune's get_memory_stats divided
-  by 1e9 at the time) -> allocated peak + memcalc's fragmentation (reserved - allocated); no CUDA context, which
-  torch's reserved counter does not see.
+  by 1e9 at the time) -> memcalc's reserved peak (allocated + fragmentation); no CUDA context, which torch's
+  reserved counter does not see.
 - torchtune README "Optimization flags" table ("Peak Memory Active (GiB)") -> allocated peak.
 - LLaMA-Factory (estimate, nvidia-smi style) -> memcalc's peak_bytes (allocated + fragmentation + runtime).
 """
@@ -49,12 +49,24 @@ class Case:
     xfail: str | None = None  # reason, with the error measured when written
 
 
+# where each case was read, by case-id prefix (docs/validation.md lists every case with its source and error)
+SOURCES = {
+    "litgpt": "Lightning-AI/litgpt `tutorials/resource-tables.md` (8641822), \"Max GPU RAM\" = "
+              "`max_memory_allocated` / 1e9; one A100 40 GB",
+    "torchtune-llama2": "pytorch/torchtune `docs/source/tutorials/lora_finetune.rst`, `qlora_finetune.rst`, "
+                        "\"Peak memory reserved\" (GB); one device",
+    "torchtune-llama3.2": "pytorch/torchtune `README.md` \"Optimization flags\", \"Peak Memory Active (GiB)\"; "
+                          "one A100",
+    "llamafactory": "hiyouga/LLaMA-Factory `README.md` \"Hardware Requirement\" (*estimated*, tolerance 25%)",
+}
+
+
 def memcalc_bytes(figure: str, **options) -> int:
     mem = estimate(run_of(**options)).memory
     if figure == "allocated":
         return mem.allocated_peak_bytes
     if figure == "reserved":
-        return mem.allocated_peak_bytes + mem.components["fragmentation"]
+        return mem.reserved_peak_bytes
     if figure == "peak":
         return mem.peak_bytes
     raise ValueError(figure)

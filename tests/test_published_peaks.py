@@ -68,6 +68,14 @@ def torchtitan_reserved_gib(model: ModelSpec, gpus: int, lbs: int, seq: int, rec
     return max(s.reserved_peak_bytes for s in mem.stages) / GIB
 
 
+# where each case was read, by case-id prefix (docs/validation.md lists every case with its source and error)
+SOURCES = {
+    "simumax": "MooreThreads/SimuMax `docs/b200/b200_release_v1.2_summary.md` (1b8ca90), \"real alloc GiB\" = max "
+               "over ranks of `max_memory_allocated`; Megatron-LM on 8x B200",
+    "torchtitan": "pytorch/torchtitan `benchmarks/llama3_h100_202412_torchtitan.md` (9dec370), \"Memory(GiB)\" = "
+                  "max over ranks of `max_memory_reserved`; H100 96 GB",
+}
+
 # (id, measured GiB, predictor) -- SimuMax docs/b200/b200_release_v1.2_summary.md, "real alloc GiB"
 SIMUMAX = [
     ("simumax-llama3-70b-l12-tp1-pp2-dp4", 66.55, lambda: megatron_alloc_gib(llama3_70b(12), 1, 2, 4, 4)),

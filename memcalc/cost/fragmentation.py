@@ -9,9 +9,10 @@ segments. Memory freed by one stream is reused by another only after its recorde
 (`memory_allocated`, what memcalc's allocated peak models). `expandable_segments:True` maps physical pages into one
 growing segment per stream and returns unused pages, which removes most of the gap.
 
-The model: a fraction f of reserved memory is not allocated, reserved = allocated / (1 - f), so
-fragmentation = allocated * f / (1 - f). `training.fragmentation` sets f; otherwise `default_fraction(run)` gives
-the documented figure for the profile and layout.
+The slack: a fraction f of what the compute stream reserves is not allocated (rounding, block carving), slack =
+compute_peak * f / (1 - f). `training.fragmentation` sets f; otherwise `default_fraction(run)` gives the documented
+figure for the profile and layout. The compute stream's peak includes, at the loss gradient, the logits' block it
+holds but cannot use there (activations.loss_stranded_bytes).
 
 Side streams: the allocator associates every block with the stream that allocated it and never hands a freed block
 to another stream (CUDACachingAllocator.cpp). Where a framework allocates on side streams (FSDP2:
