@@ -175,12 +175,14 @@ def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, 
 
 def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: Num,
                    shares: tuple[Num, Num], stranded: Num) -> tuple[Num, Num]:
-    """(highest total over every moment of the step, the same with `stranded` bytes added at the loss gradient)."""
+    """(highest total over every moment of the step, the same with `stranded` bytes added at the loss gradient:
+    the first backward's, and a later micro-batch's where there is one)."""
     fwd, bwd, opt, losses = _moments(run, s, act, at, grads, first_grads, shares)
     peak = _total(opt)
     for m in fwd + bwd:
         peak = imax(peak, _total(m))
-    return peak, imax(peak, imax(_total(losses[0]), _total(losses[1])) + stranded)
+    at_loss = imax(_total(losses[0]) + stranded, _total(losses[1]) + where(run.grad_accum > 1, stranded, 0))
+    return peak, imax(peak, at_loss)
 
 
 def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: Num,
