@@ -287,15 +287,14 @@ def side_stream_pools(run: Run, stage: Num, grads_bytes: Num) -> dict[str, Num]:
     cb = DTYPE_BYTES[r.compute_dtype]
     rb = DTYPE_BYTES[r.grad_dtype]  # reduce dtype = the sharded gradient's dtype (buffers: `rb`)
     layer_flat, root_flat = _fsdp_flat_units(run, stage)
-    first = imax(layer_flat, root_flat)  # the stage's first unit: its root when it has one
+    first = imax(layer_flat, root_flat)  # the stage's first unit (its root when it has one), also its largest
     casts = 0 if r.param_dtype == r.compute_dtype else 1  # `all_gather_inputs`: the shards cast to param_dtype
     # the first unit's cast and output, or its output kept while the next layer casts and gathers
     gather = imax(first + casts * cdiv(first, d), first + layer_flat + casts * cdiv(layer_flat, d))
     accumulate = (run.grad_accum > 1) & (run.pp == 1)  # with pipelining FSDP2 reduces once per step
-    largest = imax(layer_flat, root_flat)
     return {
         "fsdp_all_gather_stream": where(sharded, cb * gather, 0),
-        "fsdp_reduce_scatter_stream": where(sharded, grads_bytes + where(accumulate, rb * cdiv(largest, d), 0), 0),
+        "fsdp_reduce_scatter_stream": where(sharded, grads_bytes + where(accumulate, rb * cdiv(first, d), 0), 0),
     }
 
 

@@ -7,7 +7,8 @@ segments and larger ones from their own segment rounded to 2 MiB, and later carv
 segments. Memory freed by one stream is reused by another only after its recorded events complete. Reserved memory
 (`memory_reserved`, what the GPU actually lends the process) therefore exceeds allocated memory
 (`memory_allocated`, what memcalc's allocated peak models). `expandable_segments:True` maps physical pages into one
-growing segment per stream and returns unused pages, which removes most of the gap.
+growing segment per stream, which removes most of the carving gap; pages go back only on `empty_cache` or an
+out-of-memory retry, so a stream's segment keeps its own peak.
 
 The slack: a fraction f of what the compute stream reserves is not allocated (rounding, block carving), slack =
 compute_peak * f / (1 - f). `training.fragmentation` sets f; otherwise `default_fraction(run)` gives the documented
