@@ -84,11 +84,18 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                   "input) | fp32 (eager upcast of HF, torchtune, lit-gpt: saves an fp32 copy).", panel=_T)),
     "qkv_impl": (str, "separate", _opt("--qkv-impl", help="QKV projection: separate (q/k/v matrices: HF, "
                  "torchtitan) | fused (one matrix whose output V views: lit-gpt).", panel=_T)),
+    "gqa_impl": (str, "native", _opt("--gqa-impl", help="K/V heads under GQA: native (the kernel reads the "
+                 "K/V heads: flash_attn, SDPA enable_gqa, torchtitan) | expand (copied to every query head before "
+                 "SDPA: torchtune, HF repeat_kv). Eager attention always expands.", panel=_T)),
     "loss": (str, "full", _opt("--loss", help="full (fp32 logits) | chunked.", panel=_T)),
     "dropout": (Optional[float], None, _opt("--dropout", help="Dropout probability (default: the model's).",
                 panel=_T)),
-    "foreach": (Optional[bool], None, _opt("--foreach/--no-foreach", help="Multi-tensor optimizer step (default: "
-                "the profile's).", panel=_T, show_default=False)),
+    "foreach": (Optional[bool], None, _opt("--foreach/--no-foreach", help="Shorthand for --optimizer-impl "
+                "foreach / for-loop (Megatron, DeepSpeed: fused).", panel=_T, show_default=False)),
+    "optimizer_impl": (Optional[str], None, _opt("--optimizer-impl", help="Optimizer step kernels: foreach "
+                       "(torch's default: a sqrt(v) copy of every stepped tensor) | for-loop (one tensor at a "
+                       "time) | fused (in place: torch fused=True, Apex/TE/DeepSpeed FusedAdam; the default for "
+                       "megatron and deepspeed).", panel=_T)),
     "fragmentation": (Optional[float], None, _opt("--fragmentation", help="Allocator slack: fraction of the "
                       "compute stream's reserved memory left unallocated (default: the profile's; FSDP2's stream "
                       "pools and the stranded logits block are added on top).", panel=_T)),

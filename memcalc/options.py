@@ -32,6 +32,7 @@ FLAG_OF = {
     "grad_accum": "--grad-accum", "precision": "--precision", "grad_dtype": "--grad-dtype",
     "optimizer": "--optimizer", "recompute": "--recompute", "recompute_layers": "--recompute-layers",
     "attention": "--attention", "norm_impl": "--norm-impl", "qkv_impl": "--qkv-impl",
+    "gqa_impl": "--gqa-impl", "optimizer_impl": "--optimizer-impl",
     "lora_dropout": "--lora-dropout", "loss": "--loss", "dropout": "--dropout", "fragmentation": "--fragmentation",
     "mfu": "--mfu", "gpus": "--gpus", "dp": "--dp", "tp": "--tp", "pp": "--pp", "vpp": "--vpp", "cp": "--cp",
     "ep": "--ep", "zero": "--zero", "offload": "--offload", "schedule": "--schedule",
@@ -58,6 +59,8 @@ CHOICES = {
     "lora_targets": ("attn", "qv", "mlp", "all"),
     "norm_impl": ("fused", "fp32"),
     "qkv_impl": ("separate", "fused"),
+    "gqa_impl": ("native", "expand"),
+    "optimizer_impl": ("foreach", "for-loop", "fused"),
     "base_dtype": ("nf4", "int8", "fp8", "bf16", "fp16", "fp32"),
     "dp_mode": ("collective", "ps", "dataparallel"),
     "quant_backend": ("bnb", "torchao"),
@@ -117,9 +120,11 @@ class RunOptions:
     attention: str = "flash"
     norm_impl: str = "fused"
     qkv_impl: str = "separate"
+    gqa_impl: str = "native"
     loss: str = "full"
     dropout: float | None = None
     foreach: bool | None = None
+    optimizer_impl: str | None = None
     fragmentation: float | None = None
     mfu: float | None = None
     lora_rank: int | None = None
@@ -303,7 +308,8 @@ def build_run(o: RunOptions) -> Run:
         o = apply_imports(o)  # explicit = every field that differs from its default
     profile = check_choice("profile", o.profile)
     for field in ("precision", "grad_dtype", "optimizer", "recompute", "attention", "loss", "offload", "schedule",
-                  "lora_targets", "base_dtype", "dp_mode", "quant_backend", "norm_impl", "qkv_impl"):
+                  "lora_targets", "base_dtype", "dp_mode", "quant_backend", "norm_impl", "qkv_impl",
+                  "gqa_impl", "optimizer_impl"):
         setattr(o, field, check_choice(field, getattr(o, field)))
     for flag, v in (("--gpus", o.gpus), ("--dp", o.dp), ("--tp", o.tp), ("--pp", o.pp), ("--vpp", o.vpp),
                     ("--cp", o.cp), ("--ep", o.ep), ("--seq", o.seq), ("--micro-batch", o.micro_batch),
@@ -330,8 +336,8 @@ def build_run(o: RunOptions) -> Run:
             seq=o.seq, micro_batch=o.micro_batch, global_batch=o.global_batch, grad_accum=o.grad_accum,
             precision=o.precision, master_weights=o.master_weights, grad_dtype=o.grad_dtype, optimizer=o.optimizer,
             recompute=o.recompute, recompute_layers=o.recompute_layers, attention=o.attention, loss=o.loss,
-            norm_impl=o.norm_impl, qkv_impl=o.qkv_impl, lora_dropout=o.lora_dropout,
-            dropout=o.dropout, foreach=o.foreach, fragmentation=o.fragmentation, mfu=o.mfu,
+            norm_impl=o.norm_impl, qkv_impl=o.qkv_impl, gqa_impl=o.gqa_impl, lora_dropout=o.lora_dropout,
+            dropout=o.dropout, foreach=o.foreach, optimizer_impl=o.optimizer_impl, fragmentation=o.fragmentation, mfu=o.mfu,
             lora_rank=o.lora_rank, lora_targets=o.lora_targets, lora_alpha=o.lora_alpha, base_dtype=o.base_dtype,
             double_quant=o.double_quant, quant_backend=o.quant_backend, freeze=_freeze_items(o.freeze), base_lr=o.base_lr, base_batch=o.base_batch,
             base_warmup_steps=o.base_warmup_steps,

@@ -120,9 +120,16 @@ class TrainingSpec(_Frozen):
     # of the input) and the QKV projection (separate q/k/v matrices, or one fused matrix whose output V views)
     norm_impl: Literal["fused", "fp32"] = "fused"
     qkv_impl: Literal["separate", "fused"] = "separate"
+    # K/V under GQA: native (the attention kernel reads the g K/V heads: flash_attn, SDPA enable_gqa, torchtitan)
+    # or expand (copied to every query head before SDPA, which saves the copies: torchtune's MultiHeadAttention,
+    # HF `repeat_kv`); eager attention always expands
+    gqa_impl: Literal["native", "expand"] = "native"
     loss: Literal["full", "chunked"] = "full"
     dropout: float | None = Field(default=None, ge=0.0, lt=1.0)  # None: the model's
-    foreach: bool | None = None  # None: the profile's default optimizer implementation
+    foreach: bool | None = None  # shorthand: True = optimizer_impl "foreach", False = "for-loop" (torch) / "fused"
+    # the optimizer step's kernels: foreach (torch's multi-tensor default), for-loop (one parameter at a time) or
+    # fused (one in-place kernel: torch `fused=True`, Apex / TE / DeepSpeed FusedAdam); None: the profile's
+    optimizer_impl: Literal["foreach", "for-loop", "fused"] | None = None
     fragmentation: float | None = Field(default=None, ge=0.0, lt=1.0)  # None: the allocator model's figure
     mfu: float | None = Field(default=None, gt=0.0, le=1.0)  # None: the GPU preset's default
     # fine-tuning (issue 7): LoRA adapters on frozen (optionally quantized) base weights, partial freezing
@@ -196,7 +203,8 @@ class Recipe:
     fp32_grad_copy: bool  # the optimizer also keeps an fp32 copy of the (reduced) gradients
     moment_dtype: str  # optimizer moments
     compute_copy: bool  # a low-precision copy of the params is made for compute (AMP / FSDP2 mixed precision)
-    foreach: bool  # multi-tensor optimizer step (temporaries of the size of the params)
+    foreach: bool  # optimizer_impl == "foreach" (kept for JSON 1.x readers)
+    optimizer_impl: str  # foreach (temporaries of the size of the params) | for-loop | fused
     notes: tuple[str, ...]
 
 
@@ -242,6 +250,16 @@ class Run:
         return dataclasses.replace(self, **changes)
 
 
+def _optimizer_impl(t: TrainingSpec, default: str, no_foreach: str) -> str:
+    """--optimizer-impl, else --foreach/--no-foreach (no-foreach: torch's for-loop; Megatron's and DeepSpeed's
+    own fused Adam), else the profile's default (torch.optim picks foreach on CUDA: `_default_to_fused_or_foreach`)."""
+    if t.optimizer_impl is not None:
+        return t.optimizer_impl
+    if t.foreach is not None:
+        return "foreach" if t.foreach else no_foreach
+    return default
+
+
 def _recipe(profile: str, t: TrainingSpec) -> Recipe:
     """Dtypes per profile. Sources: ZeRO paper sec. 3.1 (mixed precision: fp16 params and grads, fp32 master
     and moments); Megatron-LM docs/user-guide/features/dist_optimizer.md (bf16 params, fp32 main grads);
@@ -271,20 +289,20 @@ def _recipe(profile: str, t: TrainingSpec) -> Recipe:
             compute_copy = False
             notes.append(f"pure {low} training: no fp32 master copy; optimizer moments in {low}")
         fp32_copy = False
-        foreach = True if t.foreach is None else t.foreach
+        impl = _optimizer_impl(t, "foreach", "for-loop")
     elif profile == "megatron":
         param = low if mixed else "fp32"
         grad = t.grad_dtype or "fp32"  # --accumulate-allreduce-grads-in-fp32 (main_grad) by default
         compute_copy = False
         fp32_copy = master and grad != "fp32"
-        foreach = False if t.foreach is None else t.foreach  # fused Adam (apex / TE) steps in place
+        impl = _optimizer_impl(t, "fused", "fused")  # fused Adam (Apex / TE) steps in place
         notes.append(f"{param} params, {grad} main grads" + (", fp32 master in the optimizer" if master else ""))
     else:  # deepspeed
         param = low if mixed else "fp32"
         grad = t.grad_dtype or param
         compute_copy = False
         fp32_copy = master and grad != "fp32"
-        foreach = False if t.foreach is None else t.foreach  # FusedAdam
+        impl = _optimizer_impl(t, "fused", "fused")  # FusedAdam
         notes.append(f"{param} params and grads" + (", fp32 master and fp32 gradient partitions" if master else ""))
     if p == "fp8":
         notes.append("fp8: matmul inputs are cast to fp8; weights and saved activations are modelled in bf16")
@@ -297,7 +315,8 @@ def _recipe(profile: str, t: TrainingSpec) -> Recipe:
         fp32_grad_copy=fp32_copy,
         moment_dtype=moment,
         compute_copy=compute_copy,
-        foreach=foreach,
+        foreach=impl == "foreach",
+        optimizer_impl=impl,
         notes=tuple(notes),
     )
 
@@ -383,6 +402,9 @@ def resolve(
         ga = t.grad_accum or 1
     if t.recompute_layers is not None and t.recompute == "none":
         raise InputError("--recompute-layers needs --recompute selective, op or full")
+    if t.foreach is not None and t.optimizer_impl is not None and t.foreach != (t.optimizer_impl == "foreach"):
+        flag = "--foreach" if t.foreach else "--no-foreach"
+        raise InputError(f"{flag} contradicts --optimizer-impl {t.optimizer_impl}; give one of them")
     schedule = p.schedule or ("interleaved" if vpp > 1 else "1f1b")
     if schedule == "interleaved" and vpp == 1 and p.schedule is not None:
         raise InputError("--schedule interleaved needs --vpp > 1")

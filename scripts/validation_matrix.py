@@ -136,6 +136,16 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
                                                          zero=3))
     add("LoRA r=4 all + dropout 0.1, bf16 AMP, DDP", dict(L, precision="bf16", lora_rank=4, lora_targets="all",
                                                           lora_dropout=0.1, gpus=2))
+    # torchtune's layer: GQA K/V expanded to every query head before SDPA, fp32 RMSNorm; fused AdamW steps
+    add("torchtune layer (expanded GQA K/V, fp32 RMSNorm), pure bf16, single",
+        dict(G, norm_impl="fp32", gqa_impl="expand", precision="bf16", master_weights=False))
+    add("torchtune layer, TP2+SP bf16 GQA", dict(G, norm_impl="fp32", gqa_impl="expand", precision="bf16", gpus=2,
+                                               tp=2, sp=True))
+    add("DDP fp32 fused AdamW", dict(L, precision="fp32", gpus=2, optimizer_impl="fused"))
+    add("FSDP2 ZeRO-3 bf16 fused AdamW, full recompute", dict(G, precision="bf16", gpus=2, zero=3, recompute="full",
+                                                             gqa_impl="expand", optimizer_impl="fused"))
+    # ZeRO-2 (reshard_after_forward=False) with full recompute: each post-backward reshards its unit
+    add("FSDP2 ZeRO-2 bf16 full recompute", dict(L, precision="bf16", gpus=2, zero=2, recompute="full"))
     return c
 
 

@@ -313,6 +313,27 @@ def test_eager_attention_gqa_repeats_kv_and_keeps_scores():
     assert "attn_dropout_mask" not in terms
 
 
+def test_gqa_expand_saves_all_head_kv_copies():
+    # torchtune's MultiHeadAttention copies the 8 K/V heads of Llama-3-8B to all 32 query heads before SDPA
+    # (`expand(...).flatten(1, 2)`), and SDPA saves the copies: K and V each 2 B x T x 32 x 128 instead of x 8
+    T, a, g, d = 2048, 32, 8, 128
+    native = layer_terms(make(llama3_8b(), "torch", seq=T))
+    expand = layer_terms(make(llama3_8b(), "torch", seq=T, gqa_impl="expand"))
+    assert native["k"] == native["v"] == 2 * T * g * d == 4_194_304
+    assert expand["k"] == expand["v"] == 2 * T * a * d == 16_777_216
+    assert {k: v for k, v in expand.items() if k not in ("k", "v")} == \
+        {k: v for k, v in native.items() if k not in ("k", "v")}
+    # under TP each rank expands its own 8/t K/V heads to its 32/t query heads
+    tp = layer_terms(make(llama3_8b(), "torch", seq=T, gqa_impl="expand", tp=4, gpus=4))
+    assert tp["k"] == 2 * T * (a // 4) * d
+    # nothing to expand without GQA, and eager attention expands either way
+    mha = llama3_8b(kv_heads=32)
+    assert layer_terms(make(mha, "torch", seq=T, gqa_impl="expand")) == layer_terms(make(mha, "torch", seq=T))
+    eager = dict(seq=T, attention="eager")
+    assert layer_terms(make(llama3_8b(), "torch", gqa_impl="expand", **eager)) == \
+        layer_terms(make(llama3_8b(), "torch", **eager))
+
+
 def test_tp_sp_torch_saves_the_gathered_input_megatron_the_shard():
     T, h, t = 4096, 4096, 4
     kw = dict(seq=T, tp=t, sp=True, gpus=t)

@@ -99,6 +99,24 @@ def test_single_tensor_adam_temporaries():
     assert "adam_step_temporaries" not in stage_buffers(run(profile="megatron", precision="bf16"))  # fused Adam
 
 
+def test_optimizer_impl():
+    # --optimizer-impl names the step's kernels; --foreach/--no-foreach is its shorthand (no-foreach: torch's
+    # for-loop, Megatron's and DeepSpeed's own fused Adam)
+    names = {"foreach": "foreach_adam_temporaries", "for-loop": "adam_step_temporaries"}
+    for impl, name in names.items():
+        assert set(stage_buffers(run(precision="fp32", optimizer_impl=impl))) & {*names.values()} == {name}
+    # fused (torch fused=True, Apex / TE / DeepSpeed FusedAdam): one in-place kernel, no temporaries (row 67)
+    assert not {*names.values()} & set(stage_buffers(run(precision="fp32", optimizer_impl="fused")))
+    assert run(precision="fp32").recipe.optimizer_impl == "foreach"
+    assert run(precision="fp32", foreach=False).recipe.optimizer_impl == "for-loop"
+    for profile in ("megatron", "deepspeed"):
+        assert run(profile=profile).recipe.optimizer_impl == "fused"
+        assert run(profile=profile, foreach=False).recipe.optimizer_impl == "fused"
+        assert run(profile=profile, optimizer_impl="for-loop").recipe.optimizer_impl == "for-loop"
+    r = run(precision="fp32", foreach=True, optimizer_impl="foreach")  # consistent: accepted
+    assert r.recipe.foreach and r.recipe.optimizer_impl == "foreach"
+
+
 def test_fsdp2_zero3_working_set():
     # bf16 params / fp32 reduce, dp=4. Units: each layer (65664; every dim 0 (64, 256) divides by 4: no padding)
     # and the root (embedding 64000 + final norm 64 + head 64000 = 128064; vocab 1000 divides by 4).

@@ -38,6 +38,9 @@ BAD_INPUTS = [
     (["--model", "llama-2-7b", "--mfu", "1.5"], "--mfu"),
     (["--model", "llama-2-7b", "--gpus", "abc"], "--gpus"),
     (["--model", "llama-2-7b", "--order", "tp,pp,dp"], "--order"),
+    (["--model", "llama-2-7b", "--gqa-impl", "repeat"], "--gqa-impl 'repeat'"),
+    (["--model", "llama-2-7b", "--optimizer-impl", "apex"], "--optimizer-impl 'apex'"),
+    (["--model", "llama-2-7b", "--foreach", "--optimizer-impl", "fused"], "--foreach contradicts --optimizer-impl"),
 ]
 
 

@@ -395,13 +395,26 @@ def test_torchtitan_llama3_8b_toml_is_the_equivalent_flags(tmp_path):
     imported = build_run(RunOptions(torchtitan_config=str(p), gpus=64))
     explicit = build_run(RunOptions(model="llama-3.1-8b", profile="torch", gpus=64, zero=3, micro_batch=1,
                                     grad_accum=1, seq=8192, recompute="op", optimizer="adamw",
-                                    precision="bf16", foreach=False))
+                                    precision="bf16", optimizer_impl="fused"))
     assert imported == explicit
     r = apply_imports(RunOptions(torchtitan_config=str(p), gpus=64)).import_report
     assert unknown_keys(r) == {"training.turbo", "[warp_drive]"}
     assert {"[job]", "[profiling]", "[metrics]", "[checkpoint]", "[lr_scheduler]", "optimizer.lr",
             "training.steps"} <= {i.key for i in r.ignored}
     assert r.recorded["float8.filter_fqns"] == ["output"]
+
+
+def test_torchtitan_optimizer_implementation(tmp_path):
+    p = tmp_path / "llama3_8b.toml"
+    for impl in ("for-loop", "foreach", "fused"):
+        p.write_text(TT_LLAMA3_8B.replace('name = "AdamW"', f'name = "AdamW"\nimplementation = "{impl}"'))
+        assert build_run(RunOptions(torchtitan_config=str(p), gpus=64)).recipe.optimizer_impl == impl
+    # a --foreach / --no-foreach typed by the user wins over the file's implementation
+    r = build_run(apply_imports(RunOptions(torchtitan_config=str(p), gpus=64, foreach=True), {"foreach", "gpus"}))
+    assert r.recipe.optimizer_impl == "foreach"
+    p.write_text(TT_LLAMA3_8B.replace('name = "AdamW"', 'name = "AdamW"\nimplementation = "apex"'))
+    with pytest.raises(InputError, match="implementation = 'apex'; valid: for-loop, foreach, fused"):
+        build_run(RunOptions(torchtitan_config=str(p), gpus=64))
 
 
 def test_torchtitan_shard_minus_one_without_gpus_assumes_a_node(tmp_path):
@@ -440,7 +453,7 @@ selective_ac_option = "2"
     # FSDP with pp > 1 and the "default" reshard policy keeps params unsharded after forward -> ZeRO-2-like
     explicit = build_run(RunOptions(model="llama-3.1-70b", gpus=2 * 8 * 4, tp=8, pp=4, vpp=2, schedule="interleaved",
                                     sp=True, tp_overlap=True, zero=2, micro_batch=2, global_batch=64, seq=8192,
-                                    recompute="full", recompute_layers=10, optimizer="adamw", foreach=False))
+                                    recompute="full", recompute_layers=10, optimizer="adamw", optimizer_impl="fused"))
     assert imported == explicit
 
 

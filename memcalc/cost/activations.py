@@ -184,8 +184,11 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     out["q"] = c * tok * heads * d
     # eager attention repeats K/V to all heads before the matmuls that save them (HF repeat_kv; Megatron
     # unfused DotProductAttention repeat_interleave); flash/SDPA kernels take g heads and save them as is.
-    # A fused QKV projection (lit-gpt CausalSelfAttention) expands K and V to all heads before SDPA under GQA.
-    kv_saved = heads if (eager or (fused_qkv and gqa)) else kv
+    # Expanded before SDPA (--gqa-impl expand: torchtune modules/attention.py `k.unsqueeze(2).expand(...)
+    # .flatten(1, 2)`, a copy since the expanded view is not contiguous; lit-gpt's fused QKV under GQA): SDPA saves
+    # the all-head copies, and the g-head K/V they came from are freed.
+    expand = eager or (gqa and (fused_qkv or run.training.gqa_impl == "expand"))
+    kv_saved = heads if expand else kv
     out["k"] = c * tok * kv_saved * d
     out["v"] = c * tok * kv_saved * d
     if fused_qkv and not gqa:

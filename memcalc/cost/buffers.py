@@ -189,9 +189,12 @@ def _foreach_temporaries(run: Run, stage: Num) -> dict[str, Buffer]:
         return {}  # offloaded optimizer or parameter server: the step does not run on this GPU
     if run.training.optimizer not in ("adam", "adamw"):
         return {}
-    if not run.recipe.foreach:
-        if run.profile != "torch":
-            return {}  # fused Adam kernels (Megatron / Apex / DeepSpeed FusedAdam): no per-tensor temporaries
+    impl = run.recipe.optimizer_impl
+    if impl == "fused":
+        # one in-place kernel per tensor group (torch `_fused_adamw_`; Apex / TE / DeepSpeed FusedAdam): no
+        # temporaries (measured: row 67 of docs/validation.md)
+        return {}
+    if impl == "for-loop":
         # torch/optim/adam.py `_single_tensor_adam`, one parameter at a time: `denom = (exp_avg_sq.sqrt() /
         # bias_correction2_sqrt).add_(eps)` holds the sqrt and the quotient at once: two tensors of the largest
         # parameter this rank steps (measured: 2 x the 512 x 64 fp32 embedding, row 21)
@@ -260,6 +263,17 @@ def _fsdp_flat_units(run: Run, stage: Num) -> tuple[Num, Num]:
     layer_flat = _scaled(run, d * padded_shard_elems(layer_tensor_shapes(run), d))
     root_flat = _scaled(run, d * padded_shard_elems(root_tensor_shapes(run, stage), d))
     return layer_flat, root_flat
+
+
+def fsdp_backward_release_bytes(run: Run, stage: Num) -> Num:
+    """Bytes freed by each finished layer of backward under FSDP2 reshard_after_forward=False (ZeRO-2): the unit
+    stays unsharded from its forward to its post-backward, which reshards it (`FSDPParamGroup.post_backward`:
+    `reshard()` before `foreach_reduce`), so `fsdp_unsharded_params` shrinks by one layer's padded unsharded
+    storage per layer done (measured: docs/validation.md row 69). 0 elsewhere (ZeRO-3 reshards after forward)."""
+    if run.profile != "torch" or run.zero != 2:
+        return 0
+    layer_flat, _ = _fsdp_flat_units(run, stage)
+    return where(run.shard_degree > 1, DTYPE_BYTES[run.recipe.compute_dtype] * layer_flat, 0)
 
 
 def side_stream_pools(run: Run, stage: Num, grads_bytes: Num) -> dict[str, Num]:
@@ -343,8 +357,9 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     root = imax(n - stage_layers(m, run.pp, stage) * layer, 0)
     stage_flat = _scaled(run, d * padded_shard_elems(stage_tensor_shapes(run, stage), d))
     share_num, share_den = n_train, imax(n, 1)  # only trainable parameters produce gradients (LoRA / --freeze)
+    # not at backward_end: the root's post-backward reshards it before its reduce-scatter, like every unit's
     keep = frozenset({"forward", "forward_head", "forward_layer", "forward_layer_end", "backward", "backward_layer",
-                      "backward_post", "backward_end"})
+                      "backward_post"})
     if run.zero == 2:
         # reshard_after_forward=False: every unit stays unsharded from its forward to its post-backward
         out["fsdp_unsharded_params"] = Buffer(where(sharded, cb * stage_flat, 0), keep,

@@ -25,7 +25,7 @@ import dataclasses
 from typing import Any
 
 from memcalc.cost.activations import stage_activations
-from memcalc.cost.buffers import side_stream_pools, stage_buffers
+from memcalc.cost.buffers import fsdp_backward_release_bytes, side_stream_pools, stage_buffers
 from memcalc.cost.params import first_backward_grad_elems, layer_params, stage_params
 from memcalc.cost.states import ModelStates, model_states
 from memcalc.specs import DTYPE_BYTES, Run
@@ -121,7 +121,8 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
             at[ph] = at.get(ph, 0) + b.bytes
             side_at[ph] = side_at.get(ph, 0) + b.side_stream_bytes
     grads = s.grads + s.grads_fp32
-    first_grads, shares = _first_grads(run, stage), _layer_shares(run, stage)
+    first_grads = _first_grads(run, stage)
+    shares = (*_layer_shares(run, stage), fsdp_backward_release_bytes(run, stage))
     phases = _phases(run, s, act, at, grads, first_grads, shares)
     pools = side_stream_pools(run, stage, grads)
     stranded = act.loss_stranded_bytes
@@ -156,14 +157,15 @@ def _peak(phases: tuple[Phase, ...]) -> Num:
 
 
 def _layer_shares(run: Run, stage: Num) -> tuple[Num, Num]:
-    """(elements of one layer, of the stage): one layer's share of the stage's gradients."""
+    """(elements of one layer, of the stage): one layer's share of the stage's gradients. `stage_memory` appends
+    the buffer bytes each finished layer of backward frees (`buffers.fsdp_backward_release_bytes`)."""
     dense_l, expert_l = layer_params(run.model, run.tp, run.ep)
     dense_s, expert_s = stage_params(run, stage)
     return dense_l + expert_l, imax(dense_s + expert_s, 1)
 
 
 def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: Num,
-            shares: tuple[Num, Num]) -> tuple[Phase, ...]:
+            shares: tuple[Num, Num, Num]) -> tuple[Phase, ...]:
     """The phases of the step: each the highest of its moments (`_moments`)."""
     fwd, bwd, opt, _ = _moments(run, s, act, at, grads, first_grads, shares)
     return (
@@ -174,7 +176,7 @@ def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, 
 
 
 def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: Num,
-                   shares: tuple[Num, Num], stranded: Num) -> tuple[Num, Num]:
+                   shares: tuple[Num, Num, Num], stranded: Num) -> tuple[Num, Num]:
     """(highest total over every moment of the step, the same with `stranded` bytes added at the loss gradient:
     the first backward's, and a later micro-batch's where there is one)."""
     fwd, bwd, opt, losses = _moments(run, s, act, at, grads, first_grads, shares)
@@ -186,12 +188,12 @@ def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads
 
 
 def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: Num,
-             shares: tuple[Num, Num]) -> tuple[list[dict[str, Num]], list[dict[str, Num]], dict[str, Num],
+             shares: tuple[Num, Num, Num]) -> tuple[list[dict[str, Num]], list[dict[str, Num]], dict[str, Num],
                                                tuple[dict[str, Num], dict[str, Num]]]:
     """The candidate moments of forward and backward and the optimizer step, from the states, the activations, the
     buffer bytes live per moment (`at`) and the gradient bytes counted (all of them for the allocated timeline;
     none of FSDP2's shards for the compute stream's own); `first_grads` is `_first_grads`, `shares` the elements
-    of one layer and of the stage (`_layer_shares`). Last: the two loss-gradient moments (first and later
+    of one layer and of the stage (`_layer_shares`) and the buffer bytes each finished layer frees. Last: the two loss-gradient moments (first and later
     micro-batch), also among the backward ones."""
 
     def buf(phase: str) -> Num:
@@ -235,26 +237,34 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # the ends of backward, not per layer; FSDP2 reduces the root's only at the end). FSDP2 prefetches the next
     # unit in every layer's backward but the stage's last layer's ("backward_prefetch").
     a, n_l = act.layer_freed_bytes, act.layers
-    layer_elems, stage_elems = shares
+    layer_elems, stage_elems, rel = shares  # rel: buffer bytes a finished layer frees (FSDP2 ZeRO-2's reshard)
     g = 0 * grads if s.grads_persistent else muldiv(grads, layer_elems, stage_elems)
     more = n_l > 1
     k_last = imax(n_l - 1, 1)
     k_pen = imax(n_l - 2, 1)  # the last layer with a prefetch
     pre = buf("backward_prefetch")
     first_loss = moment(first_g, act.backward_first_bytes, buf("backward"))
-    later_loss = moment(later_g, later_act, buf("backward"))
+    # a later micro-batch's backward exists only with several micro-batches per step (grad-accum, or the
+    # pipeline's micro-batches); with one, its moments would pair all gradients with a layer's working set
+    later = run.grad_accum > 1
+
+    def if_later(m: dict[str, Num]) -> dict[str, Num]:
+        return {k: where(later, v, 0 * v) for k, v in m.items()}
+
+    later_loss = if_later(moment(later_g, later_act, buf("backward")))
     bwd = [
         first_loss,
         moment(layer_g, act.backward_layer_bytes, buf("backward_layer") + where(more, pre, 0)),
         moment(layer_g, act.backward_post_bytes, buf("backward_post") + where(more, pre, 0)),
         moment(layer_g + where(more, g, 0), act.backward_layer_bytes - where(more, a, 0),
-               buf("backward_layer") + where(more, buf("backward_layer_next"), 0) + where(n_l > 2, pre, 0)),
+               buf("backward_layer") + where(more, buf("backward_layer_next") - rel, 0) + where(n_l > 2, pre, 0)),
         moment(layer_g + where(more, k_pen * g, 0), act.backward_layer_bytes - where(more, k_pen * a, 0),
-               buf("backward_layer") + where(more, buf("backward_layer_next"), 0) + where(n_l > 2, pre, 0)),
+               buf("backward_layer") + where(more, buf("backward_layer_next") - k_pen * rel, 0)
+               + where(n_l > 2, pre, 0)),
         moment(layer_g + where(more, k_last * g, 0), act.backward_layer_bytes - where(more, k_last * a, 0),
-               buf("backward_layer") + where(more, buf("backward_layer_next"), 0)),
+               buf("backward_layer") + where(more, buf("backward_layer_next") - k_last * rel, 0)),
         later_loss,
-        moment(later_g, act.backward_later_layer_bytes, buf("backward_layer")),
+        if_later(moment(later_g, act.backward_later_layer_bytes, buf("backward_layer"))),
         moment(grads, zero, buf("backward_end")),
     ]
     return fwd, bwd, moment(grads, zero, buf("optimizer")), (first_loss, later_loss)

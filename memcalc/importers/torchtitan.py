@@ -16,7 +16,7 @@ torchtitan/models/llama3/train_configs/llama3_8b.toml / llama3_70b.toml / llama3
   enable_cpu_offload (FSDP CPUOffloadPolicy -> --offload params).
 - [activation_checkpoint] mode none | selective | full; selective_ac_option "op" (per-op policy) or an integer k
   (every k-th layer fully checkpointed).
-- [optimizer] name Adam / AdamW, implementation (default "fused": no foreach temporaries).
+- [optimizer] name Adam / AdamW, implementation for-loop | foreach | fused (default "fused") -> --optimizer-impl.
 """
 
 from __future__ import annotations
@@ -290,7 +290,11 @@ def import_torchtitan(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
             imp.ignore(f"optimizer.name = {opt['name']}", "optimizer memcalc does not model; --optimizer keeps "
                                                            "its value")
     impl = str(opt.get("implementation", "fused")).lower()
-    imp.set("foreach", impl == "foreach", default="implementation" not in opt)
+    if impl not in ("for-loop", "foreach", "fused"):
+        raise InputError(f"{source}: [optimizer] implementation = {opt['implementation']!r}; valid: for-loop, "
+                         "foreach, fused")
+    if "foreach" not in explicit:  # --foreach/--no-foreach typed by the user wins over the file
+        imp.set("optimizer_impl", impl, default="implementation" not in opt)
 
     # compile, and everything else
     compiled = train.get("compile") is True or sec("compile").get("enable") is True

@@ -92,7 +92,8 @@ def render_estimate(est: Estimate, run: Run, units: str = "GiB", explain: bool =
               + f" · ZeRO-{par['zero']}" + (f" · offload {par['offload']}" if par['offload'] != "none" else ""))
     batch = (f"seq {tr['seq']} · micro-batch {tr['micro_batch']} · grad-accum {tr['grad_accum']} · "
              f"global batch {tr['global_batch']} ({tr['tokens_per_step']:,} tokens/step) · {tr['precision']} · "
-             f"{tr['optimizer']} · recompute {tr['recompute']} · attention {tr['attention']}")
+             f"{tr['optimizer']} ({inp['recipe']['optimizer_impl']}) · recompute {tr['recompute']} · "
+             f"attention {tr['attention']}" + (" · GQA K/V expanded" if tr.get("gqa_impl") == "expand" else ""))
     con.print(layout)
     con.print(batch)
     if model.get("assumed_shape"):

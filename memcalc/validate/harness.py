@@ -44,23 +44,21 @@ class MasterOptimizer:
             p.grad = None
 
 
-def _make_optimizer(run: Run, foreach: bool) -> Any:
-    opt = run.training.optimizer
-
-    def make(params: Any) -> Any:
-        if opt in ("adam", "adamw"):
-            cls = torch.optim.AdamW if opt == "adamw" else torch.optim.Adam
-            return cls(params, lr=1e-4, foreach=foreach)
-        return torch.optim.SGD(params, lr=1e-4, momentum=0.9 if opt == "sgd-momentum" else 0.0, foreach=foreach)
-
-    return make
+def _impl_kwargs(impl: str) -> dict[str, Any]:
+    """torch.optim's own switches for memcalc's --optimizer-impl."""
+    return {"foreach": impl == "foreach", "fused": True if impl == "fused" else None}
 
 
-def _optimizer_class_kwargs(run: Run, foreach: bool) -> tuple[Any, dict[str, Any]]:
+def _make_optimizer(run: Run, impl: str) -> Any:
+    cls, kw = _optimizer_class_kwargs(run, impl)
+    return lambda params: cls(params, **kw)
+
+
+def _optimizer_class_kwargs(run: Run, impl: str) -> tuple[Any, dict[str, Any]]:
     opt = run.training.optimizer
     if opt in ("adam", "adamw"):
-        return (torch.optim.AdamW if opt == "adamw" else torch.optim.Adam), {"lr": 1e-4, "foreach": foreach}
-    return torch.optim.SGD, {"lr": 1e-4, "momentum": 0.9 if opt == "sgd-momentum" else 0.0, "foreach": foreach}
+        return (torch.optim.AdamW if opt == "adamw" else torch.optim.Adam), {"lr": 1e-4, **_impl_kwargs(impl)}
+    return torch.optim.SGD, {"lr": 1e-4, "momentum": 0.9 if opt == "sgd-momentum" else 0.0, **_impl_kwargs(impl)}
 
 
 def _fake_allreduce_hook(group, bucket):  # noqa: ANN001 - DDP rejects a `bucket` annotation other than GradBucket
@@ -174,7 +172,8 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
             _untracked_gloo_reduce_scatter(tracker, gloo):
         with torch.device(torch_device):
             model = GPT(m, kernel=t.attention, dropout=run.dropout, recompute=t.recompute,
-                        recompute_layers=t.recompute_layers, norm_impl=t.norm_impl, qkv_impl=t.qkv_impl)
+                        recompute_layers=t.recompute_layers, norm_impl=t.norm_impl, qkv_impl=t.qkv_impl,
+                        gqa_impl=t.gqa_impl)
         if param_dtype != torch.float32:
             model.to(param_dtype)
         if t.lora_rank is not None:
@@ -191,7 +190,8 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
             for k in range(1, run.vpp):
                 with torch.device(torch_device):
                     full = GPT(m, kernel=t.attention, dropout=run.dropout, recompute=t.recompute,
-                               recompute_layers=t.recompute_layers, norm_impl=t.norm_impl, qkv_impl=t.qkv_impl)
+                               recompute_layers=t.recompute_layers, norm_impl=t.norm_impl, qkv_impl=t.qkv_impl,
+                               gqa_impl=t.gqa_impl)
                 if param_dtype != torch.float32:
                     full.to(param_dtype)
                 chunks.append(split_stage(full, coords["pp"] + k * run.pp, n_stages, run))
@@ -224,18 +224,18 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
             if fake_world:
                 ddp_model.register_comm_hook(mesh.get_group("dp"), _fake_allreduce_hook)
         autocast = recipe.compute_copy and not fsdp
-        foreach = recipe.foreach
+        impl = recipe.optimizer_impl
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
         if recipe.master_weights:
-            optim: Any = MasterOptimizer(trainable, _make_optimizer(run, foreach))
+            optim: Any = MasterOptimizer(trainable, _make_optimizer(run, impl))
         elif run.zero == 1 and run.dp > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            cls, kw = _optimizer_class_kwargs(run, foreach)
+            cls, kw = _optimizer_class_kwargs(run, impl)
             optim = ZeroRedundancyOptimizer(trainable, optimizer_class=cls,
                                             process_group=mesh.get_group("dp"), **kw)
         else:
-            optim = _make_optimizer(run, foreach)(trainable)
+            optim = _make_optimizer(run, impl)(trainable)
         params = [p for p in model.parameters()]
         tracker.param_storages = {k for k in (storage_key(p) for p in params) if k is not None}
 

@@ -99,13 +99,15 @@ def rotary_cos_sin(seq: int, dim: int, device: Any, dtype: torch.dtype, base: fl
 
 
 class Attention(nn.Module):
-    def __init__(self, m: ModelSpec, kernel: str, dropout: float, selective: bool, qkv_impl: str = "separate"):
+    def __init__(self, m: ModelSpec, kernel: str, dropout: float, selective: bool, qkv_impl: str = "separate",
+                 gqa_impl: str = "native"):
         super().__init__()
         h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
         self.d, self.rep, self.groups = d, a // g, g
         self.rotary = m.positions == "rotary"
         self.kernel, self.dropout, self.selective = kernel, dropout, selective
         self.fused = qkv_impl == "fused"
+        self.expand = gqa_impl == "expand" and self.rep > 1
         if self.fused:
             # lit-gpt CausalSelfAttention: one matrix, output laid out per KV group as (q_per_kv queries, k, v)
             self.qkv = nn.Linear(h, (a + 2 * g) * d, bias=m.qkv_bias)
@@ -129,7 +131,7 @@ class Attention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         if self.kernel == "flash":
-            gqa = k.shape[1] != q.shape[1]  # fused QKV has expanded K/V to every query head already
+            gqa = k.shape[1] != q.shape[1]  # fused QKV / --gqa-impl expand have expanded K/V already
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(self.rep, dim=1)
@@ -159,6 +161,12 @@ class Attention(nn.Module):
         if self.fused:
             # lit-gpt's torch.cat after rotary leaves q and k head-major (contiguous), as is V's expanded copy
             q, k = q.contiguous(), k.contiguous()
+        elif self.expand:
+            # torchtune MultiHeadAttention: every K/V head copied to its query heads (flatten of the expanded view
+            # copies), so SDPA saves the all-head copies
+            shape = (b, k.shape[1], self.rep, s, self.d)  # local K/V heads under TP
+            k = k.unsqueeze(2).expand(shape).flatten(1, 2)
+            v = v.unsqueeze(2).expand(shape).flatten(1, 2)
         if self.selective:
             y = checkpoint(self._core, q, k, v, use_reentrant=False)
         else:
@@ -199,10 +207,10 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, m: ModelSpec, kernel: str, dropout: float, selective: bool, norm_impl: str = "fused",
-                 qkv_impl: str = "separate"):
+                 qkv_impl: str = "separate", gqa_impl: str = "native"):
         super().__init__()
         self.norm1 = _norm(m, norm_impl)
-        self.attn = Attention(m, kernel, dropout, selective, qkv_impl)
+        self.attn = Attention(m, kernel, dropout, selective, qkv_impl, gqa_impl)
         self.norm2 = _norm(m, norm_impl)
         self.mlp = MLP(m, dropout)
 
@@ -290,14 +298,15 @@ class GPT(nn.Module):
     """embed -> blocks -> head. Any part may be None on a pipeline stage that does not hold it."""
 
     def __init__(self, m: ModelSpec, kernel: str = "flash", dropout: float = 0.0, recompute: str = "none",
-                 recompute_layers: int | None = None, norm_impl: str = "fused", qkv_impl: str = "separate"):
+                 recompute_layers: int | None = None, norm_impl: str = "fused", qkv_impl: str = "separate",
+                 gqa_impl: str = "native"):
         super().__init__()
         n_ckpt = m.layers if recompute_layers is None else recompute_layers
         self.embed: nn.Module | None = Embed(m, dropout)
         blocks = []
         for i in range(m.layers):
             blk = Block(m, kernel, dropout, selective=recompute == "selective" and i < n_ckpt, norm_impl=norm_impl,
-                        qkv_impl=qkv_impl)
+                        qkv_impl=qkv_impl, gqa_impl=gqa_impl)
             if recompute in ("full", "op") and i < n_ckpt:
                 blk = Checkpointed(blk) if recompute == "full" else OpCheckpointed(blk)
             blocks.append(blk)
