@@ -121,8 +121,7 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
             at[ph] = at.get(ph, 0) + b.bytes
             side_at[ph] = side_at.get(ph, 0) + b.side_stream_bytes
     grads = s.grads + s.grads_fp32
-    first_grads = _first_grads(run, stage)
-    shares = (*_layer_shares(run, stage), fsdp_backward_release_bytes(run, stage))
+    first_grads, shares = _first_grads(run, stage), _layer_shares(run, stage)
     phases = _phases(run, s, act, at, grads, first_grads, shares)
     pools = side_stream_pools(run, stage, grads)
     stranded = act.loss_stranded_bytes
@@ -156,12 +155,12 @@ def _peak(phases: tuple[Phase, ...]) -> Num:
     return peak
 
 
-def _layer_shares(run: Run, stage: Num) -> tuple[Num, Num]:
-    """(elements of one layer, of the stage): one layer's share of the stage's gradients. `stage_memory` appends
-    the buffer bytes each finished layer of backward frees (`buffers.fsdp_backward_release_bytes`)."""
+def _layer_shares(run: Run, stage: Num) -> tuple[Num, Num, Num]:
+    """What each finished layer of backward changes: (elements of one layer, of the stage), i.e. one layer's share
+    of the stage's gradients, and the buffer bytes it frees (`buffers.fsdp_backward_release_bytes`)."""
     dense_l, expert_l = layer_params(run.model, run.tp, run.ep)
     dense_s, expert_s = stage_params(run, stage)
-    return dense_l + expert_l, imax(dense_s + expert_s, 1)
+    return dense_l + expert_l, imax(dense_s + expert_s, 1), fsdp_backward_release_bytes(run, stage)
 
 
 def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: Num,
@@ -193,8 +192,8 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     """The candidate moments of forward and backward and the optimizer step, from the states, the activations, the
     buffer bytes live per moment (`at`) and the gradient bytes counted (all of them for the allocated timeline;
     none of FSDP2's shards for the compute stream's own); `first_grads` is `_first_grads`, `shares` the elements
-    of one layer and of the stage (`_layer_shares`) and the buffer bytes each finished layer frees. Last: the two loss-gradient moments (first and later
-    micro-batch), also among the backward ones."""
+    of one layer and of the stage and the buffer bytes each finished layer frees (`_layer_shares`). Last: the two
+    loss-gradient moments (first and later micro-batch), also among the backward ones."""
 
     def buf(phase: str) -> Num:
         return at.get(phase, 0)

@@ -170,10 +170,13 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
     gloo = not fake_world and dist.get_backend() == "gloo"
     with _precomputed_mesh_concat(mesh, meta and fsdp and run.tp > 1), fake_mode, tracker, \
             _untracked_gloo_reduce_scatter(tracker, gloo):
-        with torch.device(torch_device):
-            model = GPT(m, kernel=t.attention, dropout=run.dropout, recompute=t.recompute,
-                        recompute_layers=t.recompute_layers, norm_impl=t.norm_impl, qkv_impl=t.qkv_impl,
-                        gqa_impl=t.gqa_impl)
+        def new_gpt() -> Any:
+            with torch.device(torch_device):
+                return GPT(m, kernel=t.attention, dropout=run.dropout, recompute=t.recompute,
+                           recompute_layers=t.recompute_layers, norm_impl=t.norm_impl, qkv_impl=t.qkv_impl,
+                           gqa_impl=t.gqa_impl)
+
+        model = new_gpt()
         if param_dtype != torch.float32:
             model.to(param_dtype)
         if t.lora_rank is not None:
@@ -188,10 +191,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
             n_stages = run.pp * run.vpp
             chunks = [split_stage(model, coords["pp"], n_stages, run)]
             for k in range(1, run.vpp):
-                with torch.device(torch_device):
-                    full = GPT(m, kernel=t.attention, dropout=run.dropout, recompute=t.recompute,
-                               recompute_layers=t.recompute_layers, norm_impl=t.norm_impl, qkv_impl=t.qkv_impl,
-                               gqa_impl=t.gqa_impl)
+                full = new_gpt()
                 if param_dtype != torch.float32:
                     full.to(param_dtype)
                 chunks.append(split_stage(full, coords["pp"] + k * run.pp, n_stages, run))
