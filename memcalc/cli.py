@@ -88,6 +88,10 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                  "K/V heads: flash_attn, SDPA enable_gqa, torchtitan) | expand (copied to every query head before "
                  "SDPA: torchtune, HF repeat_kv). Eager attention always expands.", panel=_T)),
     "loss": (str, "full", _opt("--loss", help="full (fp32 logits) | chunked.", panel=_T)),
+    "offload_activations": (bool, False, _opt("--offload-activations/--no-offload-activations", help="Layers' "
+                            "saved activations go to host memory in forward and come back in backward, one layer "
+                            "ahead (torchtune enable_activation_offloading, Megatron/TE --cpu-offloading); two "
+                            "layers stay on the GPU.", panel=_T)),
     "dropout": (Optional[float], None, _opt("--dropout", help="Dropout probability (default: the model's).",
                 panel=_T)),
     "foreach": (Optional[bool], None, _opt("--foreach/--no-foreach", help="Shorthand for --optimizer-impl "

@@ -32,7 +32,7 @@ FLAG_OF = {
     "grad_accum": "--grad-accum", "precision": "--precision", "grad_dtype": "--grad-dtype",
     "optimizer": "--optimizer", "recompute": "--recompute", "recompute_layers": "--recompute-layers",
     "attention": "--attention", "norm_impl": "--norm-impl", "qkv_impl": "--qkv-impl",
-    "gqa_impl": "--gqa-impl", "optimizer_impl": "--optimizer-impl",
+    "gqa_impl": "--gqa-impl", "optimizer_impl": "--optimizer-impl", "offload_activations": "--offload-activations",
     "lora_dropout": "--lora-dropout", "loss": "--loss", "dropout": "--dropout", "fragmentation": "--fragmentation",
     "mfu": "--mfu", "gpus": "--gpus", "dp": "--dp", "tp": "--tp", "pp": "--pp", "vpp": "--vpp", "cp": "--cp",
     "ep": "--ep", "zero": "--zero", "offload": "--offload", "schedule": "--schedule",
@@ -122,6 +122,7 @@ class RunOptions:
     qkv_impl: str = "separate"
     gqa_impl: str = "native"
     loss: str = "full"
+    offload_activations: bool = False
     dropout: float | None = None
     foreach: bool | None = None
     optimizer_impl: str | None = None
@@ -336,6 +337,7 @@ def build_run(o: RunOptions) -> Run:
             seq=o.seq, micro_batch=o.micro_batch, global_batch=o.global_batch, grad_accum=o.grad_accum,
             precision=o.precision, master_weights=o.master_weights, grad_dtype=o.grad_dtype, optimizer=o.optimizer,
             recompute=o.recompute, recompute_layers=o.recompute_layers, attention=o.attention, loss=o.loss,
+            offload_activations=o.offload_activations,
             norm_impl=o.norm_impl, qkv_impl=o.qkv_impl, gqa_impl=o.gqa_impl, lora_dropout=o.lora_dropout,
             dropout=o.dropout, foreach=o.foreach, optimizer_impl=o.optimizer_impl, fragmentation=o.fragmentation,
             mfu=o.mfu,

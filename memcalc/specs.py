@@ -125,6 +125,9 @@ class TrainingSpec(_Frozen):
     # HF `repeat_kv`); eager attention always expands
     gqa_impl: Literal["native", "expand"] = "native"
     loss: Literal["full", "chunked"] = "full"
+    # the layers' saved activations live in host memory between their forward and backward, double-buffered one
+    # layer at a time (docs/methodology.md "Activation offloading"); embedding, final norm, head and loss stay
+    offload_activations: bool = False
     dropout: float | None = Field(default=None, ge=0.0, lt=1.0)  # None: the model's
     foreach: bool | None = None  # shorthand: True = optimizer_impl "foreach", False = "for-loop" (torch) / "fused"
     # the optimizer step's kernels: foreach (torch's multi-tensor default), for-loop (one parameter at a time) or

@@ -146,6 +146,28 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
                                                              gqa_impl="expand", optimizer_impl="fused"))
     # ZeRO-2 (reshard_after_forward=False) with full recompute: each post-backward reshards its unit
     add("FSDP2 ZeRO-2 bf16 full recompute", dict(L, precision="bf16", gpus=2, zero=2, recompute="full"))
+    # seq 512: activations dominate. Eager attention with dropout (bool masks, as CUDA's native_dropout), a full
+    # recompute whose re-run starts after the loss terms are freed (grad-accum 2), and activation offloading
+    # (memcalc/validate/offload.py: two blocks resident)
+    S = dict(L, seq=512)
+    add("eager attention + dropout 0.1 fp32, seq 512, single", dict(S, precision="fp32", attention="eager",
+                                                                     dropout=0.1))
+    add("DDP fp32 full recompute, grad-accum 2, seq 512", dict(S, precision="fp32", gpus=2, grad_accum=2,
+                                                                 recompute="full"))
+    add("offload activations fp32, seq 512, single", dict(S, precision="fp32", offload_activations=True))
+    add("offload activations + full recompute fp32, grad-accum 2, seq 512", dict(
+        S, precision="fp32", grad_accum=2, recompute="full", offload_activations=True))
+    add("offload activations + selective recompute fp32, 6 layers, seq 512", dict(
+        S, layers=6, precision="fp32", recompute="selective", offload_activations=True))
+    add("offload activations + full recompute of 2 of 6 layers fp32, seq 512", dict(
+        S, layers=6, precision="fp32", recompute="full", recompute_layers=2, offload_activations=True))
+    add("offload activations, torchtune layer, pure bf16, seq 512", dict(
+        G, seq=512, norm_impl="fp32", gqa_impl="expand", precision="bf16", master_weights=False,
+        offload_activations=True))
+    add("offload activations, FSDP2 ZeRO-3 bf16, seq 512", dict(S, precision="bf16", gpus=2, zero=3,
+                                                                 offload_activations=True))
+    add("offload activations, LoRA r=4 all, bf16 AMP, DDP, seq 512", dict(
+        S, precision="bf16", gpus=2, lora_rank=4, lora_targets="all", offload_activations=True))
     return c
 
 
@@ -286,6 +308,8 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "counted. Real gloo worlds are not fully deterministic: gloo's worker thread may still hold the previous",
            "FSDP2 all-gather output when the next one is allocated, so an FSDP2 ZeRO-3 row can measure one flat",
            "all-gather buffer more from run to run (seen on row 27: 3,809,324 or 3,875,372 bytes).",
+           "Activation offloading (`--offload-activations`, memcalc/validate/offload.py) copies each block's saved",
+           "storages to untracked host memory (pinned on CUDA) and reloads them one block ahead in backward.",
            "",
            f"- Device: CPU ({platform.machine()}, {platform.system()}), torch {torch_version}, Python "
            f"{platform.python_version()}; every row below ran on the CPU (real gloo worlds, or one rank of a fake "
@@ -306,13 +330,14 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "",
            "What the harness builds (memcalc/validate/model.py): embedding (+ learned positions), per block "
            "norm -> separate q/k/v -> rotary (rotate-half, cos/sin in the activation dtype) -> SDPA (is_causal, "
-           "enable_gqa) or eager softmax attention -> o -> residual -> norm -> SwiGLU or GELU(tanh) MLP -> residual; "
+           "enable_gqa) or eager softmax attention (additive causal bias) -> o -> residual -> norm -> SwiGLU or "
+           "GELU(tanh) MLP -> residual; dropout as CUDA's native_dropout (bool masks); "
            "final norm, LM head, fp32 cross-entropy. Layouts: DDP, DDP + ZeroRedundancyOptimizer (ZeRO-1), FSDP2 "
            "fully_shard per block (ZeRO-2: reshard_after_forward=False; ZeRO-3: default) with "
            "MixedPrecisionPolicy(bf16, reduce fp32), DTensor TP (+SequenceParallel), FSDP2 x TP, "
            "torch.distributed.pipelining GPipe / 1F1B; AMP autocast, pure bf16, bf16 params with an fp32 master "
            "copy; AdamW / Adam / SGD; non-reentrant checkpointing per block (full) or around the attention core "
-           "(selective).",
+           "(selective); block-by-block activation offloading.",
            "",
            "Measured kinds (`components_detail`): params, master_weights, grads, optimizer (moments and step "
            "scalars), activations (allocated in forward), compute_copies (autocast casts of weights), "

@@ -426,7 +426,9 @@ def test_recompute_layers_and_transients():
 def test_full_recompute_of_a_single_layer_rematerialises_it_whole():
     """One layer per stage and one micro-batch: full recompute re-runs the whole layer at the start of its
     backward, so the backward peak holds the full layer anyway; it only avoids stacking it on the logits gradient
-    (freed before the layer's backward). The invariants below therefore use >= 2 layer-micro-batches per stage."""
+    (freed before the layer's backward, with the rest of what the loss and the LM head saved: the re-run starts
+    when the final norm's backward has run, measured by the harness at seq 512). The invariants below therefore
+    use >= 2 layer-micro-batches per stage."""
     m = llama3_8b(layers=1, vocab=32000)
     T, h = 2048, 4096
     r_none, r_full = make(m, "megatron", seq=T), make(m, "megatron", seq=T, recompute="full")
@@ -436,7 +438,41 @@ def test_full_recompute_of_a_single_layer_rematerialises_it_whole():
     assert plain - ckpt > loss_bwd
     assert none.backward_first_bytes == none.held_bytes + loss_bwd
     assert full.held_bytes == none.held_bytes - plain + ckpt
-    assert full.backward_first_bytes == full.held_bytes + plain - ckpt == none.held_bytes
+    loss_saved = sum(last_stage_terms(r_full).values())  # final norm, LM-head input, fp32 logits
+    assert full.backward_first_bytes == full.held_bytes + max(loss_bwd, plain - ckpt - loss_saved)
+    # inside the layer's backward the re-run layer is whole, as without recompute
+    assert full.backward_layer_bytes == none.backward_layer_bytes
+
+
+def test_activation_offloading_keeps_two_layers_on_the_gpu():
+    """--offload-activations (docs/methodology.md "Activation offloading"): every layer's saved set goes to host
+    memory; the device keeps the last layer run and the one before it (its copy in flight in forward, reloaded
+    ahead of its backward). Measured by the harness (docs/validation.md rows 72-78)."""
+    m = llama3_8b(layers=8, vocab=32000)
+    T, h = 2048, 4096
+    base = make(m, "torch", seq=T)
+    none, off = stage_activations(base, 0), stage_activations(make(m, "torch", seq=T, offload_activations=True), 0)
+    layer = layer_bytes(base)
+    assert off.host_bytes == 8 * layer and none.host_bytes == 0
+    assert off.held_bytes == none.held_bytes - 7 * layer  # at the loss: the last layer's set
+    assert off.forward_layer_end_bytes == none.forward_layer_end_bytes - 6 * layer  # the last two
+    assert off.backward_layer_bytes == none.backward_layer_bytes - 6 * layer  # the layer and the reloaded one
+    assert off.layer_freed_bytes == 0  # a finished layer's place is taken by the next one reloaded
+    assert off.offloaded_layer_at(7) == off.backward_layer_bytes - layer  # the first layer: nothing to reload
+    assert off.detail["layers_offloaded_to_host"] == -8 * layer
+    assert off.detail["offload_resident_layers"] == 2 * layer
+    # full recompute: what goes to the host is the checkpointed inputs, 2*T*h bytes each in bf16
+    full = stage_activations(make(m, "torch", seq=T, recompute="full", offload_activations=True), 0)
+    assert full.host_bytes == 8 * 2 * T * h
+    # 1F1B: the first of 2 stages holds 2 micro-batches; both micro-batches' 4 layers go to the host
+    r_pp = make(m, "megatron", seq=T, pp=2, gpus=2, grad_accum=4, offload_activations=True)
+    pp = stage_activations(r_pp, 0)
+    assert pp.in_flight == 2 and pp.host_bytes == 2 * 4 * layer_bytes(r_pp)
+    # one layer: nothing to gain (it is the layer being run)
+    m1 = llama3_8b(layers=1, vocab=32000)
+    one_off = stage_activations(make(m1, "torch", seq=T, offload_activations=True), 0)
+    one = stage_activations(make(m1, "torch", seq=T), 0)
+    assert (one_off.forward_bytes, one_off.backward_layer_bytes) == (one.forward_bytes, one.backward_layer_bytes)
 
 
 def test_pipeline_micro_batches_in_flight():
@@ -489,23 +525,31 @@ def _layouts(schedule):
     ("torch", "llama", "full", "eager"),
     ("torch", "gpt", "none", "eager"),
     ("deepspeed", "moe", "full", "flash"),
+    ("torch", "llama", "offload", "flash"),  # activation offloading with 2 of the layers checkpointed
 ])
 def test_array_form_equals_scalar(schedule, profile, model, recompute, attention):
     m = {"llama": llama3_8b(layers=24, vocab=32000), "gpt": gpt(1024, 16, 24),
          "moe": llama3_8b(layers=24, vocab=32000, moe=MoESpec(experts=8, top_k=2, expert_ffn=1024))}[model]
     runs, stages = [], []
+    off = recompute == "offload"
+    recompute = "full" if off else recompute
     for tp, pp, vpp, cp, mb, ga, stage in _layouts(schedule):
         r = make(m, profile, seq=2048, tp=tp, pp=pp, vpp=vpp, cp=cp, micro_batch=mb, grad_accum=ga, gpus=tp * pp * cp,
                  schedule=schedule, recompute=recompute, recompute_layers=2 if recompute == "full" else None,
-                 attention=attention, sp=True)
+                 attention=attention, sp=True, offload_activations=off)
         runs.append(r.replace(sp=True))  # SP is categorical: one value for the whole array
         stages.append(stage)
     arr_run, arr_stage = _as_arrays(runs, stages)
     got = stage_activations(arr_run, arr_stage)
     for i, (r, s) in enumerate(zip(runs, stages)):
         want = stage_activations(r, s)
-        for f in ("held_bytes", "forward_bytes", "backward_first_bytes", "backward_later_bytes", "in_flight"):
+        for f in ("held_bytes", "forward_bytes", "backward_first_bytes", "backward_later_bytes", "in_flight",
+                  "backward_layer_bytes", "host_bytes"):
             assert int(np.broadcast_to(getattr(got, f), arr_stage.shape)[i]) == int(getattr(want, f)), (f, i)
+        if off:
+            for k in (1, 3, 5):
+                assert int(np.broadcast_to(got.offloaded_layer_at(k), arr_stage.shape)[i]) == \
+                    int(want.offloaded_layer_at(k)), (k, i)
         assert set(got.detail) == set(want.detail)
         for k, v in want.detail.items():
             assert int(np.broadcast_to(got.detail[k], arr_stage.shape)[i]) == int(v), (k, i)

@@ -75,3 +75,19 @@ def test_offload_moves_bytes_to_cpu_not_away():
                             offload="optimizer"))
     assert b.total < a.total
     assert a.total == b.total + b.cpu
+
+
+@settings(max_examples=40, deadline=None)
+@given(MODELS, PROFILES, st.sampled_from(["none", "selective", "full"]), st.sampled_from([1, 2, 4]),
+       st.sampled_from([1, 4]))
+def test_activation_offloading_never_raises_a_phase(model, profile, recompute, pp, ga):
+    """Offloading keeps at most two layers of one micro-batch where there were all of them: no phase rises, and
+    what left goes to host memory. (With --recompute-layers the layers without offloading are timed with their
+    average size, while offloading tracks each layer's own, so the two are not ordered layer by layer.)"""
+    kw = dict(model=model, profile=profile, recompute=recompute, pp=pp, gpus=pp, grad_accum=ga, seq=2048)
+    plain = estimate(run_of(**kw), advice=False).memory
+    off = estimate(run_of(offload_activations=True, **kw), advice=False).memory
+    for s_plain, s_off in zip(plain.stages, off.stages):
+        for a, b in zip(s_plain.phases, s_off.phases):
+            assert b.allocated_bytes <= a.allocated_bytes, (s_off.stage, a.name, b.allocated_bytes, a.allocated_bytes)
+    assert off.host_activation_bytes > 0 and plain.host_activation_bytes == 0

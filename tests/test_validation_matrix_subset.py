@@ -38,6 +38,11 @@ ROWS = {
     59: "TP2 + SP, torchtitan op-level SAC",
     60: "lit-gpt layer: LoRA q,v + dropout, fused QKV, fp32 RMSNorm, pure bf16",
     62: "lit-gpt layer, full training, DDP",
+    70: "eager attention + dropout (bool masks), seq 512",
+    71: "full recompute re-run after the loss terms are freed, grad-accum 2",
+    73: "activation offloading + full recompute, grad-accum 2",
+    75: "activation offloading + full recompute of 2 of 6 layers",
+    78: "activation offloading, LoRA, DDP",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

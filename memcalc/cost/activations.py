@@ -507,10 +507,33 @@ class StageActivations:
     backward_post_bytes: Num
     layers: Num  # layers of the stage (of one model chunk when interleaved)
     layer_freed_bytes: Num  # what one layer's backward frees (one micro-batch; the average layer of the unit)
+    # offloaded activations: the reload slot that is empty in the stage's first layer's backward (nothing left to
+    # prefetch; 0 without offloading), and the bytes held in host memory
+    last_layer_prefetch_bytes: Num
+    host_bytes: Num
+    # offloading: what `offloaded_layer_at` needs (None without offloading)
+    offload_parts: tuple[Num, ...] | None
     in_flight: Num  # units held (micro-batches; model chunks when interleaved)
     detail: dict[str, Num]  # named terms summed over layers and in-flight units; *_transient: extra at a phase
     # reserved, not allocated, at the loss gradient (`loss_stranded_bytes`), beyond backward_first_bytes
     loss_stranded_bytes: Num = 0
+
+    def offloaded_layer_at(self, k: Num) -> Num:
+        """Offloading: activations inside the backward of the stage's k-th layer from the last (k = 0 is the first
+        layer backward), the loss terms freed and no gradients counted."""
+        assert self.offload_parts is not None
+        return _offloaded_layer_at(self.offload_parts, k)
+
+
+def _offloaded_layer_at(parts: tuple[Num, ...], k: Num) -> Num:
+    """base + the layer's saved set + the previous layer's (reloaded; none for the stage's first layer) + the
+    layer's backward transient (a checkpointed layer's includes its re-run). The last `plain` layers are plain,
+    the rest checkpointed (Megatron's block method checkpoints the first ones)."""
+    base, plain_n, n, plain, kept, tr_plain, tr_ck = parts
+    nxt = k + 1
+    prev_plain = where(nxt < plain_n, plain, where(nxt < n, kept, 0))
+    prev_ck = where(nxt < n, kept, 0)
+    return where(k < plain_n, base + plain + prev_plain + tr_plain, base + kept + prev_ck + tr_ck)
 
 
 # terms saved in forward up to and including the attention core; the rest of a layer (output projection, MLP,
@@ -614,13 +637,15 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
 
     plain = layer_terms(run, "none")
     detail: dict[str, Num] = {}
-    unit_bytes = 0
+    plain_bytes = 0
     mult = plain_layers * units
     for key, v in plain.items():
         detail[key] = v * mult
-        unit_bytes = unit_bytes + v
-    unit_bytes = unit_bytes * plain_layers
+        plain_bytes = plain_bytes + v
+    unit_bytes = plain_bytes * plain_layers
+    kept_bytes = plain_bytes
     remat = 0
+    off = tr.offload_activations
     if mode != "none":
         kept = layer_terms(run, mode)
         kept_bytes = 0
@@ -630,19 +655,32 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             kept_bytes = kept_bytes + v
         unit_bytes = unit_bytes + ck * kept_bytes
         # Megatron `--recompute-method block` checkpoints the first ck layers of the unit: backward reaches them
-        # after the unit's plain layers of this micro-batch have freed their activations
-        plain_bytes = 0
-        for v in plain.values():
-            plain_bytes = plain_bytes + v
-        remat = where(ck > 0, _remat_net(mode, plain, kept_bytes) - plain_layers * plain_bytes, 0)
+        # after the unit's plain layers of this micro-batch have freed their activations (offloaded: they were
+        # never all resident, the window below stands for them)
+        remat = where(ck > 0, _remat_net(mode, plain, kept_bytes) - (0 if off else plain_layers * plain_bytes), 0)
+    # activation offloading (`offload_activations`): every layer's saved set goes to host memory; the GPU keeps
+    # the last layer run (`w_last`) and the one before it (`w_prev`: in forward its copy to the host is in flight
+    # until the next layer's forward ends; in backward it is reloaded while the current layer's backward runs).
+    # The unit's last layers are its plain ones (checkpointing takes the first ck).
+    # At the first checkpointed layer's backward (layer ck-1) the pair is that layer and layer ck-2.
+    w_last = w_prev = ck_cur = ck_prev = 0
+    if off:
+        w_last = where(plain_layers >= 1, plain_bytes, kept_bytes)
+        w_prev = where(unit_layers >= 2, where(plain_layers >= 2, plain_bytes, kept_bytes), 0)
+        ck_cur = where(ck >= 1, kept_bytes, 0)
+        ck_prev = where(ck >= 2, kept_bytes, 0)
 
     first = stage == 0
     last = stage == pp - 1
     extra = 0  # per micro-batch (non-interleaved): what one backward frees besides the layers
-    held = units * unit_bytes
+    host = units * unit_bytes if off else 0  # the layers' saved sets of every unit in flight, in host memory
+    held = units * unit_bytes - host
     for key, x in first_stage_terms(run).items():
         x = where(first, x, 0)
         detail[key] = x * n_first
+        if off and key == "first_layer_frozen_input":
+            host = host + x * n_first  # a correction to the first layer's saved set, which is offloaded
+            continue
         extra = extra + x
         held = held + x * n_first
     last_saved = 0  # what the loss and LM head of one micro-batch saved (freed before the first layer's backward)
@@ -686,7 +724,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         bw_first_chunk = g2 * pp + imax(imin(r2 - (v - 1) * pp, pp), 0)
         sent = s_h * ((j - where(last, bw_last_chunk, 0)) + (j - where(first, bw_first_chunk, 0)))
     # one backward frees one unit: a micro-batch (its layers and extras), or one model chunk when interleaved
-    freed = unit_bytes if run.schedule == "interleaved" else unit_bytes + extra
+    # (offloaded, the unit's layers are not resident: the window is counted per moment below)
+    unit_gpu = 0 if off else unit_bytes
+    freed = unit_gpu if run.schedule == "interleaved" else unit_gpu + extra
     later_units = imin(units, total_units - 1)  # held when a later backward starts (steady state or drain)
     held_later = held - (units - later_units) * freed
 
@@ -699,7 +739,15 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # different moments: the loss comes after the last layer's attention in forward and before the first
     # layer's backward; the ring buffers live inside a layer's attention (with its recompute)
     fwd_tr = imax(loss_fwd, ring_fwd)
-    bwd_tr = imax(loss_bwd, remat + ring_bwd)
+    # a recompute or CP ring runs inside the first layer's backward: the loss and LM-head terms are freed by then,
+    # and with offloading the previous layer is being reloaded
+    core_tr = remat + ring_bwd
+    if off:  # the pair resident then: the re-run layer's and the one before, or the plain pair (CP ring alone)
+        core_pair = where(ck >= 1, ck_cur + ck_prev, w_last + w_prev) - w_last
+    else:
+        core_pair = 0
+    core_tr = where(core_tr > 0, core_tr + core_pair - last_saved, 0)
+    bwd_tr = imax(loss_bwd, core_tr)
     layer_tr = layer_backward_transient(run)
     if mode in ("full", "op"):
         at_layer = layer_tr + imax(remat, 0)  # the layer is re-run, then its backward starts
@@ -712,27 +760,40 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # the end of the last layer's forward: its down (or proj) output, not saved, beside the residual add's output,
     # which the final norm saves on the last stage (a loss / LM-head term subtracted with `last_saved`)
     layer_out = c * _shape(run)[1] * m.hidden + where(last, s_h, 0)
+    if off:
+        detail["layers_offloaded_to_host"] = -host
+        detail["offload_resident_layers"] = w_last + w_prev
     detail["logits_forward_transient"] = loss_fwd
     detail["logits_grad_transient"] = loss_bwd
     detail["recompute_transient"] = imax(remat, 0)
     detail["cp_ring_kv_transient"] = ring_bwd
     detail["pipeline_sent_transient"] = sent
+    one_layer = 0 if off else unit_bytes // imax(unit_layers, 1)  # a layer's share of what `held` counts
+    # offloading: the k-th layer backward (`StageActivations.offloaded_layer_at`) holds that layer's set and the
+    # previous layer's, plain or checkpointed; the first (k = 0) is `backward_layer_bytes`
+    parts = (held - last_saved, plain_layers, unit_layers, plain_bytes, kept_bytes, layer_tr, at_layer)
+    pair_at_layer = _offloaded_layer_at(parts, 0) - (held - last_saved) - at_layer if off else 0
+    pair = w_last + w_prev
     return StageActivations(
-        held_bytes=held,
-        forward_bytes=held + fwd_tr,
-        backward_first_bytes=held + bwd_tr,
-        backward_later_bytes=held_later + where(total_units > 1, bwd_tr, 0) + sent,
-        backward_layer_bytes=held - last_saved + at_layer,
-        backward_later_layer_bytes=where(total_units > 1, held_later - last_saved + at_layer + sent, 0),
-        forward_head_bytes=held - last_saved + logits + where(last, _head_saved(run), 0),
-        forward_layer_bytes=held - last_saved - unit_bytes // imax(unit_layers, 1),
-        forward_layer_end_bytes=held - last_saved + layer_out,
-        backward_post_bytes=held - last_saved - unit_bytes // imax(unit_layers, 1) + _residual_grad_bytes(run),
+        held_bytes=held + w_last,
+        forward_bytes=held + w_last + fwd_tr,
+        backward_first_bytes=held + w_last + bwd_tr,
+        backward_later_bytes=held_later + w_last + where(total_units > 1, bwd_tr, 0) + sent,
+        backward_layer_bytes=held - last_saved + pair_at_layer + at_layer,
+        backward_later_layer_bytes=where(total_units > 1, held_later - last_saved + pair_at_layer + at_layer + sent,
+                                         0),
+        forward_head_bytes=held - last_saved + w_last + logits + where(last, _head_saved(run), 0),
+        forward_layer_bytes=held - last_saved - one_layer + w_prev,
+        forward_layer_end_bytes=held - last_saved + pair + layer_out,
+        backward_post_bytes=held - last_saved - one_layer + w_prev + _residual_grad_bytes(run),
         layers=unit_layers,
-        layer_freed_bytes=unit_bytes // imax(unit_layers, 1),
+        layer_freed_bytes=one_layer,
+        last_layer_prefetch_bytes=w_prev,
+        host_bytes=host,
+        offload_parts=parts if off else None,
         in_flight=units,
         detail=detail,
         # the loss gradient's moment is the "backward" one where the loss, not a recompute or CP ring, is its
         # transient; there the stranded block is reserved on top
-        loss_stranded_bytes=where(last, imax(loss_bwd + loss_stranded_bytes(run), remat + ring_bwd) - bwd_tr, 0),
+        loss_stranded_bytes=where(last, imax(loss_bwd + loss_stranded_bytes(run), core_tr) - bwd_tr, 0),
     )

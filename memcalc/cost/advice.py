@@ -44,6 +44,9 @@ def _candidates(run: Run) -> Iterator[Change]:
     if pp2 <= m.layers and run.dp % 2 == 0 and run.vpp == 1:
         yield (f"pipeline parallel {pp2}", f"--pp {pp2}",
                lambda r: r.replace(pp=pp2, dp=r.dp // 2, grad_accum=r.grad_accum * 2))
+    if not t.offload_activations and m.layers > 2:
+        yield ("activation offloading to host memory", "--offload-activations",
+               lambda r: r.replace(training=r.training.model_copy(update={"offload_activations": True})))
     if run.offload == "none" and run.zero >= 1:
         yield ("optimizer offload to CPU", "--offload optimizer", lambda r: r.replace(offload="optimizer"))
     yield (f"twice the GPUs ({run.gpus * 2})", f"--gpus {run.gpus * 2}",

@@ -16,7 +16,7 @@ from memcalc.cost.params import stage_layers, total_params, zero1_worst_dp_index
 from memcalc.cost.timeline import CATEGORIES, StageMemory, stage_memory
 from memcalc.specs import Run
 
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 
 
 class _Out(BaseModel):
@@ -71,6 +71,7 @@ class Memory(_Out):
     headroom_bytes: int
     fits: bool
     cpu_offload_bytes: int
+    host_activation_bytes: int
     phases: list[PhaseOut]
     stages: list[StageOut]
     advice: list[Advice]
@@ -295,6 +296,7 @@ def estimate(run: Run, stage: int | None = None, advice: bool = True) -> Estimat
         headroom_bytes=capacity - worst.peak_bytes,
         fits=fits,
         cpu_offload_bytes=int(st.cpu),
+        host_activation_bytes=int(sm.host_activation_bytes),
         phases=so.phases,
         stages=[r[1] for r in reports],
         advice=advice_mod.advise(run, worst.peak_bytes) if advice else [],

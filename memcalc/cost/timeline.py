@@ -72,6 +72,8 @@ class StageMemory:
     side_stream_pools: dict[str, Num] = dataclasses.field(default_factory=dict)
     # the stranded logits block (activations.loss_stranded_bytes) as far as it raises compute_stream_peak
     loss_stranded_bytes: Num = 0
+    # offloaded activations held in host memory for this rank (activations.StageActivations.host_bytes)
+    host_activation_bytes: Num = 0
 
     @property
     def allocated_peak(self) -> Num:
@@ -145,6 +147,7 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
         compute_stream_peak=compute_stream_peak,
         side_stream_pools=pools,
         loss_stranded_bytes=stranded,
+        host_activation_bytes=act.host_bytes,
     )
 
 
@@ -206,18 +209,20 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
                 "buffers": b}
 
     fwd_grads = grads if s.grads_persistent else zero
-    # a later micro-batch's loss (gradient accumulation, 1F1B pipelining) has the earlier ones' gradients live;
-    # a GPipe pipeline runs every forward before the first backward
-    all_forwards_first = where(run.pp > 1, True, False) if run.schedule == "gpipe" else False
-    later_fwd_g = where(run.grad_accum > 1, where(all_forwards_first, fwd_grads, grads), fwd_grads)
+    # a forward that runs after a backward of the same step (gradient accumulation, 1F1B's steady state) has the
+    # earlier backwards' gradients live: there is one when the stage runs more forwards (micro-batches, or model
+    # chunks when interleaved) than it holds at its first backward (GPipe: none)
+    forwards = run.grad_accum * (run.vpp if run.schedule == "interleaved" else 1)
+    later_fwd_g = where(forwards > act.in_flight, grads, fwd_grads)
     # forward: the loss (every saved activation + the logits and their fp32 upcast) or, just before it, the
     # LM head matmul (FSDP2 still holds the last unit's all-gather output there)
+    # Every such forward holds as many activations as the last one before the first backward, so each moment is
+    # taken with the gradients of the latest forward (at least the first one's).
     fwd = [
-        moment(fwd_grads, act.forward_bytes, buf("forward")),
-        moment(fwd_grads, act.forward_head_bytes, buf("forward_head")),
-        moment(fwd_grads, act.forward_layer_bytes, buf("forward_layer")),
-        moment(fwd_grads, act.forward_layer_end_bytes, buf("forward_layer_end")),
         moment(later_fwd_g, act.forward_bytes, buf("forward")),
+        moment(later_fwd_g, act.forward_head_bytes, buf("forward_head")),
+        moment(later_fwd_g, act.forward_layer_bytes, buf("forward_layer")),
+        moment(later_fwd_g, act.forward_layer_end_bytes, buf("forward_layer_end")),
     ]
     # backward: the loss gradient (start of the first backward), the first layer's backward (loss terms freed,
     # the layer's gradient transients and the first weight gradients live), the start of a later backward
@@ -251,19 +256,38 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         return {k: where(later, v, 0 * v) for k, v in m.items()}
 
     later_loss = if_later(moment(later_g, later_act, buf("backward")))
+    offloaded = act.offload_parts is not None
+
+    def acts_at(k: Num) -> Num:
+        if offloaded:  # the resident pair changes with the layer (plain or checkpointed; none left to reload)
+            return where(more, act.offloaded_layer_at(k), act.backward_layer_bytes)
+        return act.backward_layer_bytes - where(more, k * a, 0)
+
     bwd = [
         first_loss,
         moment(layer_g, act.backward_layer_bytes, buf("backward_layer") + where(more, pre, 0)),
         moment(layer_g, act.backward_post_bytes, buf("backward_post") + where(more, pre, 0)),
-        moment(layer_g + where(more, g, 0), act.backward_layer_bytes - where(more, a, 0),
+        moment(layer_g + where(more, g, 0), acts_at(1),
                buf("backward_layer") + where(more, buf("backward_layer_next") - rel, 0) + where(n_l > 2, pre, 0)),
-        moment(layer_g + where(more, k_pen * g, 0), act.backward_layer_bytes - where(more, k_pen * a, 0),
+        moment(layer_g + where(more, k_pen * g, 0), acts_at(k_pen),
                buf("backward_layer") + where(more, buf("backward_layer_next") - k_pen * rel, 0)
                + where(n_l > 2, pre, 0)),
-        moment(layer_g + where(more, k_last * g, 0), act.backward_layer_bytes - where(more, k_last * a, 0),
+        moment(layer_g + where(more, k_last * g, 0), acts_at(k_last),
                buf("backward_layer") + where(more, buf("backward_layer_next") - k_last * rel, 0)),
+        *[moment(layer_g + where(more, k * g, 0), acts_at(k),
+                 buf("backward_layer") + where(more, buf("backward_layer_next") - k * rel, 0)
+                 + where(k < n_l - 1, pre, 0))
+          for k in (_switch_layers(act) if offloaded else ())],
         later_loss,
         if_later(moment(later_g, act.backward_later_layer_bytes, buf("backward_layer"))),
         moment(grads, zero, buf("backward_end")),
     ]
     return fwd, bwd, moment(grads, zero, buf("optimizer")), (first_loss, later_loss)
+
+
+def _switch_layers(act: Any) -> tuple[Num, ...]:
+    """Offloading: where the resident pair changes, counted from the stage's last layer (clipped to the stage's
+    layers): the last plain layer whose previous one is plain, the last plain layer, the first checkpointed one.
+    Between these and the other moments (first, second, last but one and last layer) the total is linear."""
+    plain_n, n = act.offload_parts[1], act.offload_parts[2]
+    return tuple(imin(imax(plain_n - d, 0), n - 1) for d in (2, 1, 0))

@@ -418,11 +418,22 @@ def _apply_flags(o: RunOptions, flags: str) -> RunOptions:
     """Apply an advice's flags (e.g. `--zero 2`, `--recompute selective`) to options."""
     from memcalc.cli import RUN_OPTIONS
 
-    by_flag = {_flag_names(f)[0]: f for f in RUN_OPTIONS}
+    by_flag: dict[str, tuple[str, bool | None]] = {}  # flag -> (field, the value a switch sets; None: takes one)
+    for f in RUN_OPTIONS:
+        on, off = _flag_names(f)
+        by_flag[on] = (f, True if off else None)
+        if off:
+            by_flag[off] = (f, False)
     words = shlex.split(flags)
     upd: dict[str, Any] = {}
-    for flag, value in zip(words[::2], words[1::2]):
-        upd[by_flag[flag]] = int(value) if value.isdigit() else value
+    i = 0
+    while i < len(words):
+        field, switch = by_flag[words[i]]
+        if switch is not None:
+            upd[field], i = switch, i + 1
+        else:
+            value = words[i + 1]
+            upd[field], i = (int(value) if value.isdigit() else value), i + 2
     return dataclasses.replace(o, **upd)
 
 

@@ -42,6 +42,9 @@ def render_explain(est: Estimate, run: Run, con: Console, units: str) -> None:
                f" = {format_bytes(det['optimizer_moments'], units)}")
     if run.offload != "none":
         _line(con, f"offloaded to CPU: {format_bytes(mem.cpu_offload_bytes, units)}")
+    if run.training.offload_activations:
+        _line(con, f"activations offloaded to host memory: {format_bytes(mem.host_activation_bytes, units)} "
+                   "(every layer's saved set of every micro-batch in flight; the last two layers run stay)")
     if mem.activations_detail:
         con.print(Text("Activations (bytes per named term; see memory.activations_detail in --json)", style="bold"))
         for k, v in mem.activations_detail.items():

@@ -64,6 +64,9 @@ def _component_notes(est: Estimate, run: Run) -> dict[str, str]:
                               "there), not on the workers")
     if run.offload != "none":
         notes["optimizer"] += f", offloaded to CPU ({run.offload})"
+    if t.offload_activations:
+        host = est.memory.host_activation_bytes / UNIT_BYTES["GiB"]
+        notes["activations"] = f"layers' saved tensors offloaded: {host:.2f} GiB in host memory, 2 layers resident"
     notes["fragmentation"] = "caching allocator: reserved - allocated"
     pools = sum(v for k, v in est.memory.reserved_detail.items() if k.endswith("_stream"))
     if pools:

@@ -236,6 +236,11 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                                             process_group=mesh.get_group("dp"), **kw)
         else:
             optim = _make_optimizer(run, impl)(trainable)
+        offload = None
+        if t.offload_activations:
+            from memcalc.validate.offload import BlockOffload
+
+            offload = BlockOffload(list(model.layers.values()), tracker, torch_device)
         params = [p for p in model.parameters()]
         tracker.param_storages = {k for k in (storage_key(p) for p in params) if k is not None}
 
@@ -327,7 +332,10 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                         tracker.set_phase(pre + "forward")
                         cuda_mark("forward", True)
                         with amp(), loss_ctx():
-                            loss = loss_fn(ddp_model(tokens[mb]), targets[mb]) / ga
+                            with offload.forward() if offload else contextlib.nullcontext():
+                                out = ddp_model(tokens[mb])
+                            loss = loss_fn(out, targets[mb]) / ga
+                            del out
                         cuda_mark("forward", False)
                         tracker.set_phase(pre + "backward")
                         cuda_mark("backward", True)
@@ -360,6 +368,9 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                         cats.setdefault(u, cat)
 
         label(params, "params")
+        if offload is not None:
+            for u in offload.reloaded_uids:
+                cats.setdefault(u, "activations")
         for u in grad_keys:
             cats.setdefault(u, "grads")
         inner = getattr(optim, "optim", optim)

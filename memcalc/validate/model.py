@@ -4,9 +4,10 @@ Op by op (what autograd saves is what the activation model must count; see docs/
 - embedding `tok` (V x h), optional learned positions `pos` (max_positions x h), added;
 - per block: `norm1` (RMSNorm with the fused kernel's saved tensors / nn.LayerNorm) -> q, k, v (separate
   nn.Linear, GQA-sized k/v) -> rotary on q, k (rotate-half form, cos/sin computed once per forward in the
-  activation dtype) -> attention core (SDPA with is_causal and enable_gqa for `flash`; matmul + causal mask + softmax + matmul for `eager`, k/v repeated for
-  GQA) -> o -> residual add -> `norm2` -> MLP (SwiGLU: down(silu(gate(x)) * up(x)); GELU: proj(gelu_tanh(fc(x))))
-  -> residual add; dropout (when > 0) after o, after the MLP and on the attention probabilities;
+  activation dtype) -> attention core (SDPA with is_causal and enable_gqa for `flash`; matmul + additive causal bias + softmax + matmul for `eager`, k/v
+  repeated for GQA) -> o -> residual add -> `norm2` -> MLP (SwiGLU: down(silu(gate(x)) * up(x)); GELU:
+  proj(gelu_tanh(fc(x)))) -> residual add; dropout (when > 0, CUDA's native_dropout with its bool mask on every
+  device) after o, after the MLP and on the attention probabilities;
 - final norm, LM head (tied: shares `tok.weight`), logits in the compute dtype; the loss upcasts them to fp32
   (`loss_fn`).
 q/k/v and gate/up are separate matrices so that DTensor's ColwiseParallel shards each along its output features;
@@ -77,7 +78,7 @@ def _norm(m: ModelSpec, impl: str = "fused") -> nn.Module:
     return nn.LayerNorm(m.hidden, eps=1e-5)
 
 
-def lora_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+def cuda_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """Dropout as CUDA runs F.dropout (aten native_dropout: a bool mask saved), on every device; on CPU F.dropout
     would save a mask in the input's dtype instead."""
     if not p or not training:
@@ -138,11 +139,12 @@ class Attention(nn.Module):
             v = v.repeat_interleave(self.rep, dim=1)
         s = q.shape[-2]
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.d)
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
+        # an additive causal bias (HF's eager path; Megatron's fused kernel masks in place): the add saves nothing,
+        # where masked_fill would save a mask per layer
+        scores = scores + torch.full((s, s), float("-inf"), dtype=scores.dtype, device=q.device).triu(1)
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         if p:
-            probs = F.dropout(probs, p)
+            probs = cuda_dropout(probs, p)
         return torch.matmul(probs, v)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -178,8 +180,7 @@ class Attention(nn.Module):
             y = y.contiguous()
         y = y.transpose(1, 2).reshape(b, s, -1)
         y = self.o(y)
-        if self.dropout and self.training:
-            y = F.dropout(y, self.dropout)
+        y = cuda_dropout(y, self.dropout, self.training)
         return y
 
 
@@ -200,8 +201,7 @@ class MLP(nn.Module):
             y = self.down(F.silu(self.gate(x)) * self.up(x))
         else:
             y = self.down(F.gelu(self.up(x), approximate="tanh"))
-        if self.dropout and self.training:
-            y = F.dropout(y, self.dropout)
+        y = cuda_dropout(y, self.dropout, self.training)
         return y
 
 
@@ -237,8 +237,7 @@ class Embed(nn.Module):
                 r, n = self.seq_shard
                 pos = pos.chunk(n, dim=0)[r]
             x = x + pos
-        if self.dropout and self.training:
-            x = F.dropout(x, self.dropout)
+        x = cuda_dropout(x, self.dropout, self.training)
         return x
 
 
@@ -358,7 +357,7 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_b.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.lora_b(self.lora_a(lora_dropout(x, self.dropout, self.training)))
+        return self.base(x) + self.lora_b(self.lora_a(cuda_dropout(x, self.dropout, self.training)))
 
 
 class FusedQKVLoRA(nn.Module):
@@ -388,7 +387,7 @@ class FusedQKVLoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        a = self.lora_a(lora_dropout(x, self.dropout, self.training))
+        a = self.lora_a(cuda_dropout(x, self.dropout, self.training))
         lora = torch.cat([b(ai) for b, ai in zip(self.lora_b, a.split(self.rank, dim=-1), strict=True)], dim=-1)
         flat = lora.reshape(-1, lora.shape[-1])
         padded = flat.new_zeros(flat.shape[0], out.shape[-1]).index_copy(1, self._index(x.device), flat)

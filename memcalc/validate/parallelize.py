@@ -49,6 +49,9 @@ def check_supported(run: Run, world: str, device: str) -> None:
     if run.schedule not in ("1f1b", "gpipe", "interleaved"):
         raise Unsupported(f"--schedule {run.schedule} is not built by the harness; valid: 1f1b, gpipe, "
                           "interleaved")
+    if t.offload_activations and (run.pp > 1 or run.tp > 1):
+        raise Unsupported("--offload-activations runs in the harness without pipeline or tensor parallelism "
+                          "(pp = tp = 1)")
     if t.loss != "full":
         raise Unsupported("--loss chunked is not built by the harness; valid: full")
     if m.params_override is not None:
