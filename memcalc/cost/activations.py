@@ -507,10 +507,7 @@ class StageActivations:
     backward_post_bytes: Num
     layers: Num  # layers of the stage (of one model chunk when interleaved)
     layer_freed_bytes: Num  # what one layer's backward frees (one micro-batch; the average layer of the unit)
-    # offloaded activations: the reload slot that is empty in the stage's first layer's backward (nothing left to
-    # prefetch; 0 without offloading), and the bytes held in host memory
-    last_layer_prefetch_bytes: Num
-    host_bytes: Num
+    host_bytes: Num  # offloaded activations held in host memory (0 without offloading)
     # offloading: what `offloaded_layer_at` needs (None without offloading)
     offload_parts: tuple[Num, ...] | None
     in_flight: Num  # units held (micro-batches; model chunks when interleaved)
@@ -662,13 +659,10 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # the last layer run (`w_last`) and the one before it (`w_prev`: in forward its copy to the host is in flight
     # until the next layer's forward ends; in backward it is reloaded while the current layer's backward runs).
     # The unit's last layers are its plain ones (checkpointing takes the first ck).
-    # At the first checkpointed layer's backward (layer ck-1) the pair is that layer and layer ck-2.
-    w_last = w_prev = ck_cur = ck_prev = 0
+    w_last = w_prev = 0
     if off:
         w_last = where(plain_layers >= 1, plain_bytes, kept_bytes)
         w_prev = where(unit_layers >= 2, where(plain_layers >= 2, plain_bytes, kept_bytes), 0)
-        ck_cur = where(ck >= 1, kept_bytes, 0)
-        ck_prev = where(ck >= 2, kept_bytes, 0)
 
     first = stage == 0
     last = stage == pp - 1
@@ -742,10 +736,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # a recompute or CP ring runs inside the first layer's backward: the loss and LM-head terms are freed by then,
     # and with offloading the previous layer is being reloaded
     core_tr = remat + ring_bwd
-    if off:  # the pair resident then: the re-run layer's and the one before, or the plain pair (CP ring alone)
-        core_pair = where(ck >= 1, ck_cur + ck_prev, w_last + w_prev) - w_last
-    else:
-        core_pair = 0
+    core_pair = 0  # offloading: the pair resident then beyond `w_last`, which `held_bytes` has
+    if off:  # the first checkpointed layer (ck-1) and layer ck-2, or the plain pair (a CP ring alone)
+        core_pair = where(ck >= 1, kept_bytes + where(ck >= 2, kept_bytes, 0), w_last + w_prev) - w_last
     core_tr = where(core_tr > 0, core_tr + core_pair - last_saved, 0)
     bwd_tr = imax(loss_bwd, core_tr)
     layer_tr = layer_backward_transient(run)
@@ -772,23 +765,21 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # offloading: the k-th layer backward (`StageActivations.offloaded_layer_at`) holds that layer's set and the
     # previous layer's, plain or checkpointed; the first (k = 0) is `backward_layer_bytes`
     parts = (held - last_saved, plain_layers, unit_layers, plain_bytes, kept_bytes, layer_tr, at_layer)
-    pair_at_layer = _offloaded_layer_at(parts, 0) - (held - last_saved) - at_layer if off else 0
+    layer_bwd = _offloaded_layer_at(parts, 0) if off else held - last_saved + at_layer
     pair = w_last + w_prev
     return StageActivations(
         held_bytes=held + w_last,
         forward_bytes=held + w_last + fwd_tr,
         backward_first_bytes=held + w_last + bwd_tr,
         backward_later_bytes=held_later + w_last + where(total_units > 1, bwd_tr, 0) + sent,
-        backward_layer_bytes=held - last_saved + pair_at_layer + at_layer,
-        backward_later_layer_bytes=where(total_units > 1, held_later - last_saved + pair_at_layer + at_layer + sent,
-                                         0),
+        backward_layer_bytes=layer_bwd,
+        backward_later_layer_bytes=where(total_units > 1, layer_bwd - held + held_later + sent, 0),
         forward_head_bytes=held - last_saved + w_last + logits + where(last, _head_saved(run), 0),
         forward_layer_bytes=held - last_saved - one_layer + w_prev,
         forward_layer_end_bytes=held - last_saved + pair + layer_out,
         backward_post_bytes=held - last_saved - one_layer + w_prev + _residual_grad_bytes(run),
         layers=unit_layers,
         layer_freed_bytes=one_layer,
-        last_layer_prefetch_bytes=w_prev,
         host_bytes=host,
         offload_parts=parts if off else None,
         in_flight=units,

@@ -3,8 +3,6 @@ and a plain verdict with what would help. Reads only the Estimate (and the Run f
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
