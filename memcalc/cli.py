@@ -120,6 +120,9 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "quant_backend": (str, "bnb", _opt("--quant-backend", help="Quantized base linears: bnb (bitsandbytes, HF PEFT "
                       "QLoRA, lit-gpt: saves each linear's input) | torchao (torchtune's linear_nf4: saves none).",
                       panel=_F)),
+    "quantize_head": (bool, False, _opt("--quantize-head/--no-quantize-head", help="The LM head is quantized like "
+                      "the base linears (lit-gpt with Fabric's bnb plugin; HF and torchtune keep it bf16).",
+                      panel=_F)),
     "freeze": (Optional[str], None, _opt("--freeze", help="Freeze parts: embeddings, head, layers:K (comma-separated).",
                panel=_F)),
     "base_lr": (Optional[float], None, _opt("--base-lr", help="Reference learning rate (with --base-batch) for "

@@ -33,7 +33,8 @@ FLAG_OF = {
     "optimizer": "--optimizer", "recompute": "--recompute", "recompute_layers": "--recompute-layers",
     "attention": "--attention", "norm_impl": "--norm-impl", "qkv_impl": "--qkv-impl",
     "gqa_impl": "--gqa-impl", "optimizer_impl": "--optimizer-impl", "offload_activations": "--offload-activations",
-    "lora_dropout": "--lora-dropout", "loss": "--loss", "dropout": "--dropout", "fragmentation": "--fragmentation",
+    "quantize_head": "--quantize-head", "lora_dropout": "--lora-dropout", "loss": "--loss", "dropout": "--dropout",
+    "fragmentation": "--fragmentation",
     "mfu": "--mfu", "gpus": "--gpus", "dp": "--dp", "tp": "--tp", "pp": "--pp", "vpp": "--vpp", "cp": "--cp",
     "ep": "--ep", "zero": "--zero", "offload": "--offload", "schedule": "--schedule",
     "mlp": "--mlp", "norm": "--norm", "tied_embeddings": "--tied-embeddings", "positions": "--positions",
@@ -135,6 +136,7 @@ class RunOptions:
     base_dtype: str | None = None
     double_quant: bool = True
     quant_backend: str = "bnb"
+    quantize_head: bool = False
     freeze: str | None = None
     base_lr: float | None = None
     base_batch: int | None = None
@@ -342,7 +344,8 @@ def build_run(o: RunOptions) -> Run:
             dropout=o.dropout, foreach=o.foreach, optimizer_impl=o.optimizer_impl, fragmentation=o.fragmentation,
             mfu=o.mfu,
             lora_rank=o.lora_rank, lora_targets=o.lora_targets, lora_alpha=o.lora_alpha, base_dtype=o.base_dtype,
-            double_quant=o.double_quant, quant_backend=o.quant_backend, freeze=_freeze_items(o.freeze), base_lr=o.base_lr, base_batch=o.base_batch,
+            double_quant=o.double_quant, quant_backend=o.quant_backend, quantize_head=o.quantize_head,
+            freeze=_freeze_items(o.freeze), base_lr=o.base_lr, base_batch=o.base_batch,
             base_warmup_steps=o.base_warmup_steps,
             **{k: getattr(o, k) for k in BUFFER_KNOBS},
         )

@@ -145,6 +145,9 @@ class TrainingSpec(_Frozen):
     # the library behind quantized (nf4 / int8) base linears: bitsandbytes' MatMul4Bit / MatMul8bitLt save their
     # input activation for backward; torchao's linear_nf4 (torchtune) saves only the weight
     quant_backend: Literal["bnb", "torchao"] = "bnb"
+    # the LM head's weight is quantized like the layers' linears (lit-gpt: Fabric's BitsandbytesPrecision replaces
+    # every nn.Linear; HF's BitsAndBytesConfig skips the output embedding and torchtune keeps it in bf16)
+    quantize_head: bool = False
     freeze: tuple[str, ...] = ()  # "embeddings", "head", "layers:K" (the first K layers)
     # framework buffer knobs (None: the framework's documented default; see memcalc/cost/buffers.py)
     bucket_cap_mb: float | None = Field(default=None, gt=0)  # DDP bucket_cap_mb
@@ -477,6 +480,12 @@ def _check_finetune(m: ModelSpec, t: TrainingSpec) -> None:
             )
     if t.base_dtype in QUANTIZED and t.lora_rank is None:
         raise InputError(f"--base-dtype {t.base_dtype} quantizes frozen weights: add --lora-rank R (QLoRA)")
+    if t.quantize_head and (t.base_dtype not in QUANTIZED or t.lora_rank is None):
+        raise InputError(f"--quantize-head quantizes the LM head like the base linears: it needs --lora-rank R and "
+                         f"--base-dtype nf4, int8 or fp8 (got {t.base_dtype or 'none'})")
+    if t.quantize_head and m.tied_embeddings:
+        raise InputError(f"--quantize-head: {m.name} ties its LM head to the embedding, which stays unquantized; "
+                         f"valid only for models with a separate head")
     if t.lora_rank is not None and m.moe is not None and t.lora_targets not in ("attn", "qv"):
         raise InputError("--lora-targets mlp/all on a mixture-of-experts model is not modelled; use --lora-targets "
                          "attn or qv")

@@ -168,6 +168,18 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
                                                                  offload_activations=True))
     add("offload activations, LoRA r=4 all, bf16 AMP, DDP, seq 512", dict(
         S, precision="bf16", gpus=2, lora_rank=4, lora_targets="all", offload_activations=True))
+    # QLoRA: NF4 base linears (memcalc/validate/quant.py), dequantized around each matmul; a wide MLP and few
+    # tokens, so the dequantized down projection (and head) set the peak. bitsandbytes keeps the linears' inputs,
+    # torchao's linear_nf4 none; lit-gpt (Fabric) also quantizes the LM head
+    Q = dict(layers=4, hidden=256, heads=4, ffn=1024, vocab=512, seq=32, precision="bf16", master_weights=False,
+             base_dtype="nf4", lora_rank=4)
+    add("QLoRA nf4 bnb r=4 q,v + dropout, lit-gpt layer, quantized head", dict(
+        Q, **LIT, lora_targets="qv", lora_dropout=0.05, quantize_head=True))
+    add("QLoRA nf4 torchao r=4 all, quantized head, vocab 8192", dict(Q, vocab=8192, lora_targets="all",
+                                                                      quant_backend="torchao", quantize_head=True))
+    add("QLoRA nf4 bnb r=4 q,v, full recompute", dict(Q, lora_targets="qv", recompute="full"))
+    add("QLoRA nf4 bnb r=4 all + dropout 0.1, no double quant, DDP", dict(
+        Q, lora_targets="all", lora_dropout=0.1, double_quant=False, gpus=2))
     return c
 
 
@@ -337,7 +349,9 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "MixedPrecisionPolicy(bf16, reduce fp32), DTensor TP (+SequenceParallel), FSDP2 x TP, "
            "torch.distributed.pipelining GPipe / 1F1B; AMP autocast, pure bf16, bf16 params with an fp32 master "
            "copy; AdamW / Adam / SGD; non-reentrant checkpointing per block (full) or around the attention core "
-           "(selective); block-by-block activation offloading.",
+           "(selective); block-by-block activation offloading; LoRA adapters on bf16 or NF4 base linears (packed "
+           "4-bit codes and absmax as QLoRA stores them, dequantized around each matmul with bitsandbytes' or "
+           "torchao's autograd semantics).",
            "",
            "Measured kinds (`components_detail`): params, master_weights, grads, optimizer (moments and step "
            "scalars), activations (allocated in forward), compute_copies (autocast casts of weights), "

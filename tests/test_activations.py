@@ -526,17 +526,21 @@ def _layouts(schedule):
     ("torch", "gpt", "none", "eager"),
     ("deepspeed", "moe", "full", "flash"),
     ("torch", "llama", "offload", "flash"),  # activation offloading with 2 of the layers checkpointed
+    ("torch", "llama", "qlora", "flash"),  # nf4 base with its head (dequantized copies), LoRA on all, dropout
+    ("torch", "llama", "qlora-full", "flash"),  # the same with 2 of the layers checkpointed
 ])
 def test_array_form_equals_scalar(schedule, profile, model, recompute, attention):
     m = {"llama": llama3_8b(layers=24, vocab=32000), "gpt": gpt(1024, 16, 24),
          "moe": llama3_8b(layers=24, vocab=32000, moe=MoESpec(experts=8, top_k=2, expert_ffn=1024))}[model]
     runs, stages = [], []
     off = recompute == "offload"
-    recompute = "full" if off else recompute
+    qlora = dict(lora_rank=8, lora_targets="all", lora_dropout=0.1, base_dtype="nf4", quantize_head=True) \
+        if recompute.startswith("qlora") else {}
+    recompute = {"offload": "full", "qlora": "none", "qlora-full": "full"}.get(recompute, recompute)
     for tp, pp, vpp, cp, mb, ga, stage in _layouts(schedule):
         r = make(m, profile, seq=2048, tp=tp, pp=pp, vpp=vpp, cp=cp, micro_batch=mb, grad_accum=ga, gpus=tp * pp * cp,
                  schedule=schedule, recompute=recompute, recompute_layers=2 if recompute == "full" else None,
-                 attention=attention, sp=True, offload_activations=off)
+                 attention=attention, sp=True, offload_activations=off, **qlora)
         runs.append(r.replace(sp=True))  # SP is categorical: one value for the whole array
         stages.append(stage)
     arr_run, arr_stage = _as_arrays(runs, stages)
@@ -544,7 +548,8 @@ def test_array_form_equals_scalar(schedule, profile, model, recompute, attention
     for i, (r, s) in enumerate(zip(runs, stages)):
         want = stage_activations(r, s)
         for f in ("held_bytes", "forward_bytes", "backward_first_bytes", "backward_later_bytes", "in_flight",
-                  "backward_layer_bytes", "host_bytes"):
+                  "backward_layer_bytes", "host_bytes", "forward_head_bytes", "forward_layer_end_bytes",
+                  "backward_later_layer_bytes", "loss_stranded_bytes"):
             assert int(np.broadcast_to(getattr(got, f), arr_stage.shape)[i]) == int(getattr(want, f)), (f, i)
         if off:
             for k in (1, 3, 5):

@@ -137,6 +137,8 @@ def test_batch_guidance_linear_and_sqrt():
     (["--dp-mode", "ps", "--tp", "2", "--gpus", "2"], "--dp-mode"),
     (["--base-lr", "1e-4"], "--base-batch"),
     (["--schedule", "pipedream"], "--pp"),
+    (["--quantize-head"], "--quantize-head"),
+    (["--quantize-head", "--lora-rank", "8", "--base-dtype", "bf16"], "--quantize-head"),
 ])
 def test_finetune_bad_input(args, needle):
     code, _, err = cli("estimate", "--model", "llama-2-7b", *args)
@@ -192,3 +194,35 @@ def test_bitsandbytes_quantized_linears_keep_their_inputs():
     code, _, err = cli("estimate", "--model", "llama-2-7b", "--lora-rank", "8", "--base-dtype", "nf4",
                        "--quant-backend", "gptq")
     assert code == 2 and "--quant-backend" in err and "bnb" in err
+
+
+def test_quantized_bases_dequantize_around_each_matmul():
+    """An nf4 linear (bitsandbytes MatMul4Bit, torchao linear_nf4) dequantizes its weight into a compute-dtype
+    copy for the forward and the backward matmul. Llama-2-7B, LoRA q,v, pure bf16, seq 1304 (lit-gpt's row):
+    - the largest copy at a layer moment is the down projection's: 2 B x 4096 x 11008 = 90,177,536 B;
+    - --quantize-head: the head's, 2 B x 32000 x 4096 = 262,144,000 B; its storage goes nf4 (double-quant):
+      262,144,000 B bf16 -> 65,536,000 (4 bits) + 2,048,000 (8-bit absmax per 64) + 32,000 (fp32 per 16384),
+      saving 194,528,000 B; a bitsandbytes head keeps its input: 2 B x 1304 x 4096 = 10,682,368 B;
+    - the layer backward's transient: the residual gradient 10,682,368 + max(the SwiGLU factors' gradients
+      2 x 2 x 1304 x 11008 = 57,417,728, the down projection's input gradient 28,708,864 + its copy 90,177,536)
+      = 10,682,368 + 118,886,400 = 129,568,768 B; int8 (MatMul8bitLt) copies in backward only."""
+    from memcalc.cost.activations import dequant_bytes, last_stage_terms, layer_backward_transient
+
+    base = dict(model="llama-2-7b", precision="bf16", master_weights=False, seq=1304, lora_rank=8,
+                lora_targets="qv", base_dtype="nf4")
+    plain, head = run_of(**base), run_of(**base, quantize_head=True)
+    assert dequant_bytes(plain) == (90_177_536, 90_177_536, 0, 0)
+    assert dequant_bytes(head) == (90_177_536, 90_177_536, 262_144_000, 262_144_000)
+    assert dequant_bytes(run_of(**{**base, "base_dtype": "int8"}, quantize_head=True)) == (
+        0, 90_177_536, 0, 262_144_000)
+    assert dequant_bytes(run_of(**{**base, "base_dtype": "bf16"})) == (0, 0, 0, 0)
+    assert model_states(plain).params - model_states(head).params == 194_528_000
+    assert last_stage_terms(head)["output_layer_input"] == 10_682_368
+    assert last_stage_terms(run_of(**base, quantize_head=True, quant_backend="torchao"))["output_layer_input"] == 0
+    assert layer_backward_transient(plain) == 129_568_768
+    # a bf16 base copies nothing: the SwiGLU factors' gradients set the transient
+    assert layer_backward_transient(run_of(**{**base, "base_dtype": "bf16"})) == 10_682_368 + 57_417_728
+    data = cli_json("estimate", "--model", "llama-2-7b", "--precision", "bf16", "--no-master-weights", "--seq",
+                    "1304", "--lora-rank", "8", "--lora-targets", "qv", "--base-dtype", "nf4", "--quantize-head")
+    assert data["inputs"]["training"]["quantize_head"] is True
+    assert data["memory"]["activations_detail"]["dequantized_weight_transient"] == 262_144_000

@@ -43,6 +43,9 @@ ROWS = {
     73: "activation offloading + full recompute, grad-accum 2",
     75: "activation offloading + full recompute of 2 of 6 layers",
     78: "activation offloading, LoRA, DDP",
+    79: "QLoRA nf4 (bitsandbytes), lit-gpt layer, quantized head",
+    80: "QLoRA nf4 (torchao), quantized head",
+    82: "QLoRA nf4 (bitsandbytes), no double quant, DDP",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

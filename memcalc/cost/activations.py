@@ -269,7 +269,7 @@ def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, tok_in: Num, ea
     h, d = m.hidden, m.head_dim
     heads, kv = m.heads // run.tp, m.kv_heads // run.tp
     targets = LORA_PROJECTIONS[t.lora_targets]
-    keeps_inputs = t.base_dtype in ("nf4", "int8") and t.quant_backend == "bnb"
+    keeps_inputs = _keeps_inputs(t)
     dropped = t.lora_dropout > 0
     fused = t.qkv_impl == "fused"
     qkv_adapted = [p for p in ("q", "k", "v") if p in targets]
@@ -344,9 +344,11 @@ def last_stage_terms(run: Run) -> dict[str, Num]:
     norm_in, normalized = _norm_saved(run, c, tok_sp, stats)
     out = {
         "final_norm": norm_in if normalized is None else norm_in + normalized,
-        # Korthikanti sec. 4.3: 2sbh/t (with SP); a frozen head (LoRA: tied or not, it is the frozen embedding or
-        # a frozen linear) saves no input for a weight gradient
-        "output_layer_input": 0 if run.training.lora_rank is not None else c * tok_in * h,
+        # Korthikanti sec. 4.3: 2sbh/t (with SP);
+        # a frozen head (LoRA: tied or not, it is the frozen embedding or a frozen linear) saves no input for a
+        # weight gradient, unless bitsandbytes quantized it (--quantize-head: MatMul4Bit keeps its input)
+        "output_layer_input": c * tok_in * h if (run.training.lora_rank is None or _keeps_inputs(run.training)
+                                                 and run.training.quantize_head) else 0,
         # cross-entropy in fp32: the log-softmax (torch) or softmax (Megatron vocab-parallel CE) saved for
         # backward, s*b*V/t fp32 (Korthikanti sec. 4.3: 4sbv/t); one chunk of it with a chunked loss
         "loss_logits_fp32": 4 * _loss_fp32_elems(run) * _gathered_replicas(run),
@@ -574,13 +576,73 @@ def _remat_net(mode: str, terms: dict[str, Num], kept: Num) -> Num:
     return core + terms["attn_output"] - after
 
 
+def _keeps_inputs(t: Any) -> bool:
+    """bitsandbytes' quantized linears save their input for backward (see `_lora_terms`)."""
+    return t.base_dtype in ("nf4", "int8") and t.quant_backend == "bnb"
+
+
+def _dequantizes(t: Any) -> bool:
+    """Quantized base linears that materialise a compute-dtype weight copy (`dequant_bytes`)."""
+    return t.lora_rank is not None and t.base_dtype in ("nf4", "int8")
+
+
+def dequant_bytes(run: Run) -> tuple[Num, Num, Num, Num]:
+    """(layer forward, layer backward, head forward, head backward): the compute-dtype copy of a quantized frozen
+    weight that a quantized linear materialises around its matmul and frees after it, for the largest one at each
+    moment. A layer's last matmul in forward and first in backward is its down (or proj) projection, h x f/t;
+    the head's is V/t x h (`--quantize-head`).
+    - nf4, bitsandbytes (`bnb.autograd._functions.MatMul4Bit`): forward `F.linear(A, dequantize_4bit(B).t())`,
+      backward `matmul(grad_output, dequantize_4bit(B).t())`; torchao's `linear_nf4` (torchtune): forward
+      `F.linear(input, weight.to(input.dtype))`, backward `grad_output @ weight.to(grad_output.dtype)`;
+    - int8, bitsandbytes (`MatMul8bitLt`): forward runs the int8 GEMM on the int8 weight (no copy); backward
+      casts and rescales the int8 weight (`CB.to(dtype).mul_(SCB / 127)`) before its matmul;
+    - fp8 bases: not modelled (depends on the kernel; none counted)."""
+    t, m = run.training, run.model
+    if not _dequantizes(t):
+        return 0, 0, 0, 0
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
+    ffn = m.ffn if m.moe is None else m.moe.expert_ffn
+    layer = c * m.hidden * cdiv(ffn, run.tp)
+    head = c * cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden if t.quantize_head else 0
+    fwd = 1 if t.base_dtype == "nf4" else 0
+    return fwd * layer, layer, fwd * head, head
+
+
+def _down_matmul_extra(run: Run, mode: str, plain_layers: Num) -> Num:
+    """At the last layer's down (or proj) projection's matmul, what is live beyond the saved set: the MLP's input
+    (the norm output, an argument of the MLP's forward) and the down projection's input (an argument of its
+    forward), where nothing saves them (a frozen linear that keeps no input, `_lora_terms`); less the down
+    adapter's own terms, which its base matmul precedes. A checkpointed layer's no-grad forward saves nothing, so
+    both inputs are extra there."""
+    t, m = run.training, run.model
+    c, tok, _, tok_in = _shape(run)
+    f_t = cdiv(m.ffn if m.moe is None else m.moe.expert_ffn, run.tp)
+    inputs = c * tok_in * m.hidden + c * tok * f_t
+    targets = LORA_PROJECTIONS[t.lora_targets]
+    mlp = "down" in targets and m.moe is None
+    dropped = t.lora_dropout > 0
+    unsaved = not _keeps_inputs(t) and not (mlp and not dropped)
+    plain = (inputs if unsaved else 0) - ((c * tok * t.lora_rank + (c + 1) * tok * f_t * dropped) if mlp else 0)
+    if mode in ("full", "op"):
+        # no-grad: the attention half's residual sum (the MLP's residual operand) is live too, and with SwiGLU
+        # the up projection's matmul (silu(gate) and the up output beside its dequantized weight) can exceed
+        # the down projection's (its product and the h-wide output)
+        resid = _stream_bytes(run, c) * _shape(run)[2] * m.hidden
+        act = c * tok * (f_t + (imax(f_t, m.hidden) if m.mlp == "swiglu" else m.hidden))
+        ck = resid + c * tok_in * m.hidden + act - c * tok * m.hidden
+        return where(plain_layers == 0, ck, plain)
+    return plain + 0 * plain_layers
+
+
 def layer_backward_transient(run: Run) -> Num:
     """Bytes a layer's backward holds beyond the saved activations at its highest moment (the MLP's backward,
     which runs first): the incoming gradient of the residual stream (its dtype, sharded like it under SP), the
     down projection's input gradient and, for SwiGLU, the gradients of both factors of the product while the
     former is live (net of the down projection's saved input, freed by then): 2 c tok f/t; for GELU the GELU
-    gradient, net c tok f/t. Derived from the op order of autograd's backward (aten mm / mul / silu_backward;
-    measured op by op by the harness, docs/validation.md). The weight gradients are counted by the timeline."""
+    gradient, net c tok f/t. A quantized down projection holds its dequantized weight while it computes the
+    c tok f/t input gradient (`dequant_bytes`). Derived from the op order of autograd's backward (aten mm / mul /
+    silu_backward; measured op by op by the harness, docs/validation.md). The weight gradients are counted by the
+    timeline."""
     m = run.model
     c, tok, _, _ = _shape(run)
     stream = _residual_grad_bytes(run)
@@ -590,7 +652,16 @@ def layer_backward_transient(run: Run) -> Num:
         tokens, ffn = m.moe.top_k * tok, m.moe.expert_ffn
     f_t = cdiv(ffn, run.tp)
     factors = 2 if m.mlp == "swiglu" else 1
-    return stream + factors * c * tokens * f_t
+    # a quantized down projection: its input gradient is computed while its dequantized weight is live
+    # (`dequant_bytes`), before the product's backward allocates the factors' gradients
+    dq = dequant_bytes(run)[1]
+    # an adapted down projection (LoRA on the MLP): autograd runs the adapter's branch first (created later), so
+    # its input gradient waits for the base's while the adapter's saved terms are freed
+    t = run.training
+    adapter = 0
+    if _dequantizes(t) and "down" in LORA_PROJECTIONS[t.lora_targets] and m.moe is None:
+        adapter = c * tokens * f_t - c * tokens * t.lora_rank - (c + 1) * tokens * f_t * (t.lora_dropout > 0)
+    return stream + imax(factors * c * tokens * f_t, c * tokens * f_t + dq + adapter)
 
 
 def _residual_grad_bytes(run: Run) -> Num:
@@ -733,6 +804,16 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # different moments: the loss comes after the last layer's attention in forward and before the first
     # layer's backward; the ring buffers live inside a layer's attention (with its recompute)
     fwd_tr = imax(loss_fwd, ring_fwd)
+    # quantized bases (`dequant_bytes`): the dequantized weight of the last layer's down projection at its matmul,
+    # of the LM head (--quantize-head) at the logits' matmul and at the head's backward, which comes after the
+    # loss gradient: the loss's saved fp32 terms freed, the compute-dtype logits' gradient, the dequantized head
+    # and the head input's gradient (the gathered tokens under SP) live
+    dq_fwd, dq_bwd, dq_head_fwd, dq_head_bwd = dequant_bytes(run)
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
+    _, tok_all, _, tok_in = _shape(run)
+    loss_saved = last_stage_terms(run)["loss_logits_fp32"]
+    head_bwd_tr = where(last, c * _logit_elems(run) + c * tok_in * m.hidden + dq_head_bwd - loss_saved, 0)
+    head_bwd_tr = head_bwd_tr if _dequantizes(tr) and tr.quantize_head else 0
     # a recompute or CP ring runs inside the first layer's backward: the loss and LM-head terms are freed by then,
     # and with offloading the previous layer is being reloaded
     core_tr = remat + ring_bwd
@@ -740,7 +821,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     if off:  # the first checkpointed layer (ck-1) and layer ck-2, or the plain pair (a CP ring alone)
         core_pair = where(ck >= 1, kept_bytes + where(ck >= 2, kept_bytes, 0), w_last + w_prev) - w_last
     core_tr = where(core_tr > 0, core_tr + core_pair - last_saved, 0)
-    bwd_tr = imax(loss_bwd, core_tr)
+    bwd_tr = imax(imax(loss_bwd, core_tr), head_bwd_tr)
     layer_tr = layer_backward_transient(run)
     if mode in ("full", "op"):
         at_layer = layer_tr + imax(remat, 0)  # the layer is re-run, then its backward starts
@@ -748,17 +829,24 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         at_layer = imax(layer_tr, remat)  # the core comes back after the MLP's backward
     else:
         at_layer = layer_tr
-    c = DTYPE_BYTES[run.recipe.compute_dtype]
     logits = where(last, c * _logit_elems(run), 0)
     # the end of the last layer's forward: its down (or proj) output, not saved, beside the residual add's output,
-    # which the final norm saves on the last stage (a loss / LM-head term subtracted with `last_saved`)
-    layer_out = c * _shape(run)[1] * m.hidden + where(last, s_h, 0)
+    # which the final norm saves on the last stage (a loss / LM-head term subtracted with `last_saved`); a
+    # quantized down projection's matmul just before: its output and dequantized weight, and, when the layer is
+    # checkpointed, its input (not saved in the no-grad forward)
+    down_out = c * tok_all * m.hidden
+    layer_out = down_out + where(last, s_h, 0)
+    if _dequantizes(tr) and tr.base_dtype == "nf4":
+        layer_out = imax(layer_out, down_out + dq_fwd + _down_matmul_extra(run, mode, plain_layers))
     if off:
         detail["layers_offloaded_to_host"] = -host
         detail["offload_resident_layers"] = w_last + w_prev
     detail["logits_forward_transient"] = loss_fwd
     detail["logits_grad_transient"] = loss_bwd
     detail["recompute_transient"] = imax(remat, 0)
+    if _dequantizes(tr):
+        detail["dequantized_weight_transient"] = imax(imax(dq_fwd, dq_bwd), where(last, imax(dq_head_fwd,
+                                                                                                dq_head_bwd), 0))
     detail["cp_ring_kv_transient"] = ring_bwd
     detail["pipeline_sent_transient"] = sent
     one_layer = 0 if off else unit_bytes // imax(unit_layers, 1)  # a layer's share of what `held` counts
@@ -774,7 +862,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_later_bytes=held_later + w_last + where(total_units > 1, bwd_tr, 0) + sent,
         backward_layer_bytes=layer_bwd,
         backward_later_layer_bytes=where(total_units > 1, layer_bwd - held + held_later + sent, 0),
-        forward_head_bytes=held - last_saved + w_last + logits + where(last, _head_saved(run), 0),
+        forward_head_bytes=held - last_saved + w_last + logits + where(last, _head_saved(run) + dq_head_fwd, 0),
         forward_layer_bytes=held - last_saved - one_layer + w_prev,
         forward_layer_end_bytes=held - last_saved + pair + layer_out,
         backward_post_bytes=held - last_saved - one_layer + w_prev + _residual_grad_bytes(run),
@@ -786,5 +874,5 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         detail=detail,
         # the loss gradient's moment is the "backward" one where the loss, not a recompute or CP ring, is its
         # transient; there the stranded block is reserved on top
-        loss_stranded_bytes=where(last, imax(loss_bwd + loss_stranded_bytes(run), core_tr) - bwd_tr, 0),
+        loss_stranded_bytes=where(last, imax(imax(loss_bwd + loss_stranded_bytes(run), core_tr) - bwd_tr, 0), 0),
     )

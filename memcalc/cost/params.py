@@ -234,8 +234,14 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
     if t.lora_rank is not None:
         adapters = n_layers * lora_layer_params(m, t.lora_targets, t.lora_rank, run.tp)
         frozen_lin = muldiv(n_layers * lin, scale_num, scale_den)
-        return ParamSplit(adapters, 0 * dense, frozen_lin, n_layers * rows, n_layers * mats,
-                          dense + expert - frozen_lin)
+        rows, mats = n_layers * rows, n_layers * mats
+        if t.quantize_head:  # --quantize-head: the last stage's LM head is one more quantized matrix
+            last = stage == run.pp - 1
+            frozen_lin = frozen_lin + where(last, muldiv(head_params(m, run.profile, run.tp), scale_num, scale_den),
+                                            0)
+            rows = rows + where(last, cdiv(padded_vocab(m, run.profile, run.tp), run.tp), 0)
+            mats = mats + where(last, 1, 0)
+        return ParamSplit(adapters, 0 * dense, frozen_lin, rows, mats, dense + expert - frozen_lin)
     k = freeze_layers(t)
     start = stage_first_layer(m, run.pp, stage)
     frozen_here = imin(imax(k - start, 0), n_layers)

@@ -182,8 +182,15 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
         if t.lora_rank is not None:
             from memcalc.validate.model import apply_lora
 
-            apply_lora(model, t.lora_targets, t.lora_rank, DTYPES[t.base_dtype or recipe.compute_dtype],
+            quantized = t.base_dtype == "nf4"
+            apply_lora(model, t.lora_targets, t.lora_rank,
+                       compute_dtype if quantized else DTYPES[t.base_dtype or recipe.compute_dtype],
                        t.lora_dropout, param_dtype)
+            if quantized:
+                from memcalc.validate.quant import quantize_base
+
+                for q in quantize_base(model, compute_dtype, t.double_quant, t.quant_backend, t.quantize_head):
+                    q.untracked = tracker.paused
         chunks: list[Any] = []
         if run.pp > 1 and run.vpp > 1:
             # interleaved 1F1B: this rank holds the global stages pp_rank + k*pp, k < vpp (torchtitan's

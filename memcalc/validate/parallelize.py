@@ -38,8 +38,12 @@ def check_supported(run: Run, world: str, device: str) -> None:
     if t.optimizer not in ("adam", "adamw", "sgd", "sgd-momentum"):
         raise Unsupported(f"--optimizer {t.optimizer} is not built by the harness; valid: adam, adamw, sgd, "
                           "sgd-momentum")
-    if t.freeze or t.base_dtype in ("nf4", "int8", "fp8"):
-        raise Unsupported("--freeze and quantized base weights are not built by the harness yet; LoRA is")
+    if t.freeze or t.base_dtype in ("int8", "fp8"):
+        raise Unsupported("--freeze and int8 / fp8 base weights are not built by the harness yet; LoRA and "
+                          "--base-dtype nf4 are")
+    if t.base_dtype == "nf4" and (run.recipe.compute_copy or run.zero >= 2):
+        raise Unsupported("--base-dtype nf4 runs in the harness in pure compute-dtype training (--no-master-weights "
+                          "or fp32) on one rank or with DDP")
     if t.lora_rank is not None and (run.tp > 1 or run.pp > 1 or run.zero >= 2 or run.cp > 1):
         raise Unsupported("LoRA runs in the harness on one rank or with DDP / ZeRO-1 (tp = pp = cp = 1, zero <= 1)")
     if t.qkv_impl == "fused" and run.tp > 1:

@@ -1,0 +1,124 @@
+"""Quantized frozen base linears for QLoRA runs (`--base-dtype nf4`), stored and executed as memcalc models them
+(memcalc/cost/states.py `frozen_bytes`, memcalc/cost/activations.py `dequant_bytes`):
+
+- storage: 4-bit NF4 codes packed two per byte, one absmax per block of 64 weights: fp32, or with double
+  quantization an 8-bit code per block plus one fp32 scale per 256 blocks (Dettmers et al. 2023, sec. 2-3);
+- forward and backward: the weight is dequantized to the compute dtype into one new tensor just before its
+  matmul and freed after it (bitsandbytes `MatMul4Bit`; torchao `linear_nf4`);
+- what autograd keeps: bitsandbytes saves the input when it needs a gradient (`ctx.tensors = (A, B)`), torchao
+  saves none (`--quant-backend`).
+
+The dequantization itself runs with the tracker paused and writes into the one tracked output: a fused kernel
+allocates nothing else that a GPU run would see of this size (bitsandbytes' double-quant path allocates an fp32
+absmax of n/64 elements first, which is not modelled). The codes round to the NF4 levels of the QLoRA paper's
+appendix; the values matter only so that training runs sensibly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCK = 64  # weights per absmax
+BLOCK2 = 256  # absmax blocks per second-level fp32 scale (double quantization)
+
+# the 16 NF4 levels (QLoRA appendix E), normalized to [-1, 1]
+NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0)
+
+
+class QuantLinear(nn.Module):
+    """A frozen linear stored in NF4 (no bias: the harness's models have none where they quantize)."""
+
+    def __init__(self, base: nn.Linear, compute_dtype: torch.dtype, double_quant: bool, backend: str) -> None:
+        super().__init__()
+        if base.bias is not None:
+            raise ValueError("QuantLinear quantizes bias-free linears only")
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.compute_dtype, self.backend, self.double_quant = compute_dtype, backend, double_quant
+        self.untracked: Callable[[], Any] = contextlib.nullcontext  # the harness sets its tracker's pause
+        w = base.weight.detach().float().reshape(-1)
+        n = w.numel()
+        pad = -n % BLOCK
+        blocks = torch.nn.functional.pad(w, (0, pad)).view(-1, BLOCK)
+        absmax = blocks.abs().amax(dim=1).clamp_min(1e-12)
+        levels = torch.tensor(NF4_LEVELS, device=w.device)
+        codes = ((blocks / absmax[:, None]).unsqueeze(-1) - levels).abs().argmin(dim=-1).to(torch.uint8).view(-1)
+        codes = codes[: n + n % 2]  # an odd count pads one code (the blocks were padded to 64)
+        packed = (codes[0::2] << 4) | codes[1::2]
+        self.packed = nn.Parameter(packed.contiguous(), requires_grad=False)  # ceil(n / 2) bytes
+        if double_quant:
+            nb = absmax.numel()
+            groups = torch.nn.functional.pad(absmax, (0, -nb % BLOCK2)).view(-1, BLOCK2)
+            scale2 = groups.amax(dim=1).clamp_min(1e-12)  # fp32, one per 256 blocks
+            code8 = (groups / scale2[:, None] * 255).round().to(torch.uint8).view(-1)[:nb].clone()  # own storage
+            self.absmax_code = nn.Parameter(code8.contiguous(), requires_grad=False)  # 1 byte per block
+            self.absmax_scale = nn.Parameter(scale2.contiguous(), requires_grad=False)
+        else:
+            self.absmax = nn.Parameter(absmax.contiguous(), requires_grad=False)  # fp32 per block
+        self.n = n
+
+    def _absmax(self) -> torch.Tensor:
+        if not self.double_quant:
+            return self.absmax
+        nb = self.absmax_code.numel()
+        scale = self.absmax_scale.repeat_interleave(BLOCK2)[:nb]
+        return self.absmax_code.float() / 255 * scale
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in the compute dtype: one new (out, in) tensor, everything else untracked."""
+        out = torch.empty(self.out_features, self.in_features, dtype=self.compute_dtype, device=self.packed.device)
+        with self.untracked():
+            hi, lo = self.packed >> 4, self.packed & 15
+            codes = torch.stack((hi, lo), dim=1).view(-1)[: self.n].long()
+            levels = torch.tensor(NF4_LEVELS, device=self.packed.device)
+            scale = self._absmax().repeat_interleave(BLOCK)[: self.n]
+            out.view(-1).copy_(levels[codes] * scale)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _QuantMatmul.apply(x, self)
+
+
+class _QuantMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, q: QuantLinear) -> torch.Tensor:  # type: ignore[override]
+        w = q.dequantize()
+        out = F.linear(x, w)
+        del w
+        ctx.q = q
+        if q.backend == "bnb" and ctx.needs_input_grad[0]:
+            ctx.save_for_backward(x)  # MatMul4Bit keeps A although B is frozen
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        w = ctx.q.dequantize()
+        return grad.matmul(w.to(grad.dtype)), None
+
+
+def quantize_base(model: nn.Module, compute_dtype: torch.dtype, double_quant: bool, backend: str,
+                  head: bool) -> list[QuantLinear]:
+    """Replace every frozen bias-free linear of the blocks (and the LM head's with `head`) by a QuantLinear;
+    adapters (trainable) stay as they are. Returns the new modules."""
+    made: list[QuantLinear] = []
+    blocks = list(getattr(model, "layers", {}).values()) if hasattr(model, "layers") else []
+    roots: list[nn.Module] = list(blocks)
+    if head and getattr(model, "head", None) is not None:
+        roots.append(model.head)
+    for root in roots:
+        for parent in list(root.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear) and not child.weight.requires_grad and child.bias is None:
+                    q = QuantLinear(child, compute_dtype, double_quant, backend)
+                    setattr(parent, name, q)
+                    made.append(q)
+    return made
