@@ -53,6 +53,7 @@ def _component_notes(est: Estimate, run: Run) -> dict[str, str]:
     if t.lora_rank is not None or t.freeze:
         what = f"LoRA r={t.lora_rank} on {t.lora_targets}" if t.lora_rank is not None else "frozen " + ",".join(t.freeze)
         base = t.base_dtype or (r.compute_dtype if t.lora_rank is not None else r.param_dtype)
+        base = f"{base}, LM head too" if t.quantize_head else base
         notes["params"] = (f"{what}: {det['trainable_params']:,} trainable; frozen base in {base} "
                            f"({det['frozen_params_bytes'] / UNIT_BYTES['GiB']:.2f} GiB)")
         notes["grads"] = f"{r.grad_dtype}, trainable params only"
