@@ -301,7 +301,7 @@ def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, tok_in: Num, ea
     n_in = 2 if m.mlp == "swiglu" else 1  # gate and up (or fc): one adapter each
     if mlp:
         out["lora_mlp_low_rank"] = (n_in + 1) * c * tok * r  # gate/up (or fc), down
-    if not keeps_inputs and not (mlp and not dropped):
+    if _mlp_inputs_unsaved(run):
         out["mlp_input"] = 0 * out["mlp_input"]  # input of the frozen gate/up (or fc) only
         out["mlp_act_output"] = 0 * out["mlp_act_output"]  # input of the frozen down (or proj) only
     if mlp and dropped:
@@ -581,6 +581,31 @@ def _keeps_inputs(t: Any) -> bool:
     return t.base_dtype in ("nf4", "int8") and t.quant_backend == "bnb"
 
 
+def _mlp_inputs_unsaved(run: Run) -> bool:
+    """LoRA: nothing saves the MLP's input and the down projection's input (frozen linears that keep no input and
+    no adapter reading them undropped; `_lora_terms`). MoE experts keep theirs (LoRA on attention only)."""
+    t = run.training
+    if t.lora_rank is None or run.model.moe is not None:
+        return False
+    return not _keeps_inputs(t) and not (_down_adapted(run) and t.lora_dropout == 0)
+
+
+def _down_adapted(run: Run) -> bool:
+    """LoRA adapts the down (or proj) projection (MLP targets; MoE models take attention targets only)."""
+    t = run.training
+    return t.lora_rank is not None and run.model.moe is None and "down" in LORA_PROJECTIONS[t.lora_targets]
+
+
+def _down_adapter_saved(run: Run, tokens: Num, f_t: Num) -> Num:
+    """What the down projection's LoRA adapter saves (`_lora_terms`): its low-rank intermediate and, with adapter
+    dropout, the dropped copy of its input and the bool mask; 0 where the down projection has no adapter."""
+    t = run.training
+    if not _down_adapted(run):
+        return 0
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
+    return c * tokens * t.lora_rank + ((c + 1) * tokens * f_t if t.lora_dropout > 0 else 0)
+
+
 def _dequantizes(t: Any) -> bool:
     """Quantized base linears that materialise a compute-dtype weight copy (`dequant_bytes`)."""
     return t.lora_rank is not None and t.base_dtype in ("nf4", "int8")
@@ -614,15 +639,11 @@ def _down_matmul_extra(run: Run, mode: str, plain_layers: Num) -> Num:
     forward), where nothing saves them (a frozen linear that keeps no input, `_lora_terms`); less the down
     adapter's own terms, which its base matmul precedes. A checkpointed layer's no-grad forward saves nothing, so
     both inputs are extra there."""
-    t, m = run.training, run.model
+    m = run.model
     c, tok, _, tok_in = _shape(run)
     f_t = cdiv(m.ffn if m.moe is None else m.moe.expert_ffn, run.tp)
     inputs = c * tok_in * m.hidden + c * tok * f_t
-    targets = LORA_PROJECTIONS[t.lora_targets]
-    mlp = "down" in targets and m.moe is None
-    dropped = t.lora_dropout > 0
-    unsaved = not _keeps_inputs(t) and not (mlp and not dropped)
-    plain = (inputs if unsaved else 0) - ((c * tok * t.lora_rank + (c + 1) * tok * f_t * dropped) if mlp else 0)
+    plain = (inputs if _mlp_inputs_unsaved(run) else 0) - _down_adapter_saved(run, tok, f_t)
     if mode in ("full", "op"):
         # no-grad: the attention half's residual sum (the MLP's residual operand) is live too, and with SwiGLU
         # the up projection's matmul (silu(gate) and the up output beside its dequantized weight) can exceed
@@ -657,10 +678,9 @@ def layer_backward_transient(run: Run) -> Num:
     dq = dequant_bytes(run)[1]
     # an adapted down projection (LoRA on the MLP): autograd runs the adapter's branch first (created later), so
     # its input gradient waits for the base's while the adapter's saved terms are freed
-    t = run.training
     adapter = 0
-    if _dequantizes(t) and "down" in LORA_PROJECTIONS[t.lora_targets] and m.moe is None:
-        adapter = c * tokens * f_t - c * tokens * t.lora_rank - (c + 1) * tokens * f_t * (t.lora_dropout > 0)
+    if _dequantizes(run.training) and _down_adapted(run):
+        adapter = c * tokens * f_t - _down_adapter_saved(run, tokens, f_t)
     return stream + imax(factors * c * tokens * f_t, c * tokens * f_t + dq + adapter)
 
 
@@ -809,11 +829,11 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # loss gradient: the loss's saved fp32 terms freed, the compute-dtype logits' gradient, the dequantized head
     # and the head input's gradient (the gathered tokens under SP) live
     dq_fwd, dq_bwd, dq_head_fwd, dq_head_bwd = dequant_bytes(run)
-    c = DTYPE_BYTES[run.recipe.compute_dtype]
-    _, tok_all, _, tok_in = _shape(run)
-    loss_saved = last_stage_terms(run)["loss_logits_fp32"]
-    head_bwd_tr = where(last, c * _logit_elems(run) + c * tok_in * m.hidden + dq_head_bwd - loss_saved, 0)
-    head_bwd_tr = head_bwd_tr if _dequantizes(tr) and tr.quantize_head else 0
+    c, tok_all, _, tok_in = _shape(run)
+    head_bwd_tr = 0
+    if _dequantizes(tr) and tr.quantize_head:
+        loss_saved = last_stage_terms(run)["loss_logits_fp32"]
+        head_bwd_tr = where(last, c * _logit_elems(run) + c * tok_in * m.hidden + dq_head_bwd - loss_saved, 0)
     # a recompute or CP ring runs inside the first layer's backward: the loss and LM-head terms are freed by then,
     # and with offloading the previous layer is being reloaded
     core_tr = remat + ring_bwd

@@ -44,6 +44,8 @@ def check_supported(run: Run, world: str, device: str) -> None:
     if t.base_dtype == "nf4" and (run.recipe.compute_copy or run.zero >= 2):
         raise Unsupported("--base-dtype nf4 runs in the harness in pure compute-dtype training (--no-master-weights "
                           "or fp32) on one rank or with DDP")
+    if t.base_dtype == "nf4" and (m.qkv_bias or m.linear_bias):
+        raise Unsupported("--base-dtype nf4 runs in the harness on bias-free linears only (no --qkv-bias / --bias)")
     if t.lora_rank is not None and (run.tp > 1 or run.pp > 1 or run.zero >= 2 or run.cp > 1):
         raise Unsupported("LoRA runs in the harness on one rank or with DDP / ZeRO-1 (tp = pp = cp = 1, zero <= 1)")
     if t.qkv_impl == "fused" and run.tp > 1:

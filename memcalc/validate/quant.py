@@ -46,7 +46,7 @@ class QuantLinear(nn.Module):
         w = base.weight.detach().float().reshape(-1)
         n = w.numel()
         pad = -n % BLOCK
-        blocks = torch.nn.functional.pad(w, (0, pad)).view(-1, BLOCK)
+        blocks = F.pad(w, (0, pad)).view(-1, BLOCK)
         absmax = blocks.abs().amax(dim=1).clamp_min(1e-12)
         levels = torch.tensor(NF4_LEVELS, device=w.device)
         codes = ((blocks / absmax[:, None]).unsqueeze(-1) - levels).abs().argmin(dim=-1).to(torch.uint8).view(-1)
@@ -55,7 +55,7 @@ class QuantLinear(nn.Module):
         self.packed = nn.Parameter(packed.contiguous(), requires_grad=False)  # ceil(n / 2) bytes
         if double_quant:
             nb = absmax.numel()
-            groups = torch.nn.functional.pad(absmax, (0, -nb % BLOCK2)).view(-1, BLOCK2)
+            groups = F.pad(absmax, (0, -nb % BLOCK2)).view(-1, BLOCK2)
             scale2 = groups.amax(dim=1).clamp_min(1e-12)  # fp32, one per 256 blocks
             code8 = (groups / scale2[:, None] * 255).round().to(torch.uint8).view(-1)[:nb].clone()  # own storage
             self.absmax_code = nn.Parameter(code8.contiguous(), requires_grad=False)  # 1 byte per block
@@ -107,17 +107,14 @@ class _QuantMatmul(torch.autograd.Function):
 
 def quantize_base(model: nn.Module, compute_dtype: torch.dtype, double_quant: bool, backend: str,
                   head: bool) -> list[QuantLinear]:
-    """Replace every frozen bias-free linear of the blocks (and the LM head's with `head`) by a QuantLinear;
+    """Replace every frozen linear of the blocks (and the LM head's with `head`) by a QuantLinear;
     adapters (trainable) stay as they are. Returns the new modules."""
     made: list[QuantLinear] = []
-    blocks = list(getattr(model, "layers", {}).values()) if hasattr(model, "layers") else []
-    roots: list[nn.Module] = list(blocks)
-    if head and getattr(model, "head", None) is not None:
-        roots.append(model.head)
+    roots: list[nn.Module] = list(model.layers.values()) + ([model.head] if head else [])
     for root in roots:
         for parent in list(root.modules()):
             for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear) and not child.weight.requires_grad and child.bias is None:
+                if isinstance(child, nn.Linear) and not child.weight.requires_grad:
                     q = QuantLinear(child, compute_dtype, double_quant, backend)
                     setattr(parent, name, q)
                     made.append(q)
