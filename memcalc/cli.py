@@ -113,7 +113,8 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "lora_rank": (Optional[int], None, _opt("--lora-rank", help="LoRA rank: base weights frozen, adapters train.",
                   panel=_F)),
     "lora_targets": (str, "attn", _opt("--lora-targets", help="attn (q,k,v,o) | qv (q,v: PEFT's Llama default) | "
-                     "mlp | all.", panel=_F)),
+                     "mlp | all, or a comma list of q,k,v,o,gate,up,down and those sets (q,v,o,mlp: torchtune's "
+                     "Llama 3 configs); PEFT's q_proj ... down_proj also read.", panel=_F)),
     "lora_dropout": (float, 0.0, _opt("--lora-dropout", help="Dropout on each adapter's input (PEFT default 0).",
                      panel=_F)),
     "lora_alpha": (Optional[float], None, _opt("--lora-alpha", help="Accepted; scales the update, no memory effect.",

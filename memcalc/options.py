@@ -18,6 +18,7 @@ from memcalc.specs import (
     ParallelSpec,
     Run,
     TrainingSpec,
+    canonical_lora_targets,
     resolve,
     validation_message,
 )
@@ -71,6 +72,11 @@ CHOICES = {
 def check_choice(field: str, value: str | None) -> str | None:
     if value is None:
         return None
+    if field == "lora_targets":  # a named set or a comma list of projections
+        try:
+            return canonical_lora_targets(value)
+        except ValueError as e:
+            raise InputError(str(e)) from None
     valid = CHOICES[field]
     low = value.strip().lower()
     if field == "units":

@@ -10,9 +10,10 @@ arrays when the planner evaluates many layouts at once (see memcalc/xp.py); `res
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from memcalc.errors import InputError
 
@@ -97,10 +98,50 @@ class ModelSpec(_Frozen):
 
 # --lora-targets: the projections of a layer that get adapters (Hu et al. 2021 sec. 7.1 adapts W_q and W_v: `qv`,
 # PEFT's default target_modules for Llama). "gate" exists only in a SwiGLU MLP; a GELU MLP's fc is "up".
+LORA_PROJECTION_ORDER: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 LORA_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "attn": ("q", "k", "v", "o"), "qv": ("q", "v"), "mlp": ("gate", "up", "down"),
-    "all": ("q", "k", "v", "o", "gate", "up", "down"),
+    "all": LORA_PROJECTION_ORDER,
 }
+# module names as recipes spell them: PEFT `target_modules` on HF Llama/Mistral/Qwen (q_proj ... down_proj),
+# torchtune `lora_attn_modules` (output_proj) and its MLP's w1 / w3 / w2 (gate / up / down)
+LORA_ALIASES: dict[str, str] = {
+    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "output_proj": "o",
+    "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down",
+}
+
+
+@functools.lru_cache(maxsize=256)
+def lora_projections(targets: str) -> tuple[str, ...]:
+    """The projections a --lora-targets value adapts, in layer order: a named set (attn, qv, mlp, all) or a comma
+    list of projections and sets ("q,v,o,mlp", PEFT's "q_proj,v_proj"). Raises ValueError naming what is valid."""
+    chosen: set[str] = set()
+    for token in (x.strip().lower() for x in targets.split(",")):
+        if not token:
+            continue  # "q,v," as a pasted list may end
+        if token in LORA_PROJECTIONS:
+            chosen.update(LORA_PROJECTIONS[token])
+        elif token in LORA_PROJECTION_ORDER or token in LORA_ALIASES:
+            chosen.add(LORA_ALIASES.get(token, token))
+        else:
+            raise ValueError(
+                f"--lora-targets {targets!r}: {token!r} is not a projection; valid: a set ({', '.join(LORA_PROJECTIONS)}) "
+                f"or a comma list of {', '.join(LORA_PROJECTION_ORDER)} (or q_proj ... down_proj, output_proj, w1/w2/w3)"
+            )
+    if not chosen:
+        raise ValueError(f"--lora-targets {targets!r} names no projection; valid: a set ({', '.join(LORA_PROJECTIONS)}) "
+                         f"or a comma list of {', '.join(LORA_PROJECTION_ORDER)}")
+    return tuple(p for p in LORA_PROJECTION_ORDER if p in chosen)
+
+
+def canonical_lora_targets(targets: str) -> str:
+    """The one spelling of a --lora-targets value: its named set where there is one, else the comma list of its
+    projections in layer order ("q,v,o,gate,up,down")."""
+    projections = lora_projections(targets)
+    for name, members in LORA_PROJECTIONS.items():
+        if members == projections:
+            return name
+    return ",".join(projections)
 
 
 class TrainingSpec(_Frozen):
@@ -137,7 +178,7 @@ class TrainingSpec(_Frozen):
     mfu: float | None = Field(default=None, gt=0.0, le=1.0)  # None: the GPU preset's default
     # fine-tuning (issue 7): LoRA adapters on frozen (optionally quantized) base weights, partial freezing
     lora_rank: int | None = Field(default=None, ge=1)
-    lora_targets: Literal["attn", "qv", "mlp", "all"] = "attn"
+    lora_targets: str = "attn"  # a named set or a comma list of projections; stored canonical (canonical_lora_targets)
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)  # dropout on each adapter's input (PEFT default 0)
     lora_alpha: float | None = None  # accepted; it scales the update and does not change memory
     base_dtype: BaseDtype | None = None  # storage of frozen base weights; None: the compute dtype
@@ -164,6 +205,11 @@ class TrainingSpec(_Frozen):
     base_lr: float | None = Field(default=None, gt=0)
     base_batch: int | None = Field(default=None, ge=1)
     base_warmup_steps: int | None = Field(default=None, ge=0)
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _canonical_targets(cls, v: str) -> str:
+        return canonical_lora_targets(v)
 
 
 class ParallelSpec(_Frozen):
@@ -488,9 +534,9 @@ def _check_finetune(m: ModelSpec, t: TrainingSpec) -> None:
     if t.quantize_head and m.tied_embeddings:
         raise InputError(f"--quantize-head: {m.name} ties its LM head to the embedding, which stays unquantized; "
                          f"valid only for models with a separate head")
-    if t.lora_rank is not None and m.moe is not None and t.lora_targets not in ("attn", "qv"):
-        raise InputError("--lora-targets mlp/all on a mixture-of-experts model is not modelled; use --lora-targets "
-                         "attn or qv")
+    if t.lora_rank is not None and m.moe is not None and set(lora_projections(t.lora_targets)) - {"q", "k", "v", "o"}:
+        raise InputError(f"--lora-targets {t.lora_targets}: adapters on a mixture-of-experts model's MLP are not "
+                         f"modelled; valid: attention projections only (attn, qv, or a list of q, k, v, o)")
     if (t.base_lr is None) != (t.base_batch is None):
         raise InputError("--base-lr and --base-batch go together (the reference run's learning rate and batch)")
 

@@ -31,6 +31,12 @@ CASES = [
      "seq 1304 (lit-gpt's published 21.30 GB: docs/published-finetune.md row 1)",
      dict(model="llama-2-7b", lora_rank=8, lora_targets="qv", lora_dropout=0.05, norm_impl="fp32",
           qkv_impl="fused", precision="bf16", master_weights=False, loss="lit-gpt", gpu="a100-40gb", seq=1304)),
+    ("torchtune `lora_finetune_single_device`, its Llama 3.2 3B config (r=64 on q, v, output_proj and the MLP), "
+     "packed 2 x 4096, compiled chunked loss, AC and activation offloading, one 80 GB A100 (torchtune's "
+     "published 8.5 GiB: docs/published-finetune.md row 15)",
+     dict(model="llama-3.2-3b", lora_rank=64, lora_targets="q_proj,v_proj,output_proj,mlp", norm_impl="fp32",
+          gqa_impl="expand", precision="bf16", master_weights=False, optimizer_impl="fused", recompute="full",
+          loss="chunked", offload_activations=True, gpu="a100-80gb", seq=4096, micro_batch=2)),
 ]
 
 
@@ -58,7 +64,9 @@ def main() -> None:
         "base is stored in the compute dtype (bf16), or quantized with `--base-dtype nf4|int8|fp8` (QLoRA: nf4 with",
         "double-quantized block scales, about 0.5 bytes per weight plus 0.127 bits of scales). The adapters train in",
         "the profile's recipe (torch AMP: fp32 adapters, fp32 grads, fp32 Adam moments). `--lora-targets qv` is the",
-        "LoRA paper's and PEFT's Llama default; `--lora-dropout p` adds each adapter's dropped input copy and mask.",
+        "LoRA paper's and PEFT's Llama default; any comma list of projections works too (`q,v,o,mlp` is torchtune's",
+        "Llama 3 configs; PEFT's `q_proj,v_proj` is read as written). `--lora-dropout p` adds each adapter's dropped",
+        "input copy and mask.",
         "The model code matters as much as the shape: LitGPT's layer is `--norm-impl fp32 --qkv-impl fused`, HF's and",
         "torchtune's RMSNorm are `--norm-impl fp32`, torchtitan's is the default.",
         "",

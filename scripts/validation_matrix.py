@@ -200,6 +200,12 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         lora_targets="qv", lora_dropout=0.05, loss="lit-gpt"))
     add("lit-gpt loss, full training fp32, seq 300, grad-accum 2", dict(GQA, vocab=8192, seq=300, precision="fp32",
                                                                       grad_accum=2, loss="lit-gpt"))
+    # --lora-targets as a list: an adapted up projection keeps the MLP's input saved while the frozen gate and down
+    # keep none (the down projection's input goes unsaved); an adapted down with dropout saves its dropped copy
+    add("LoRA r=4 on q,v,o,up (gate, down frozen), GQA, pure bf16", dict(
+        GQA, precision="bf16", master_weights=False, lora_rank=4, lora_targets="q,v,o,up"))
+    add("LoRA r=4 on k_proj,down_proj + dropout 0.1, bf16 AMP, DDP", dict(
+        L, precision="bf16", lora_rank=4, lora_targets="k_proj,down_proj", lora_dropout=0.1, gpus=2))
     return c
 
 

@@ -30,6 +30,46 @@ def test_lora_targets_mlp_and_all():
     assert lora_layer_params(m, "all", r) == mlp + 4 * (h * r + r * h)
 
 
+@pytest.mark.parametrize("given,canonical", [
+    ("q,v", "qv"), ("Q, V ,", "qv"), ("q_proj,k_proj,v_proj,o_proj", "attn"), ("w1,w2,w3", "mlp"),
+    ("attn,mlp", "all"), ("o,q,v,mlp", "q,v,o,gate,up,down"), ("output_proj,down_proj", "o,down"),
+])
+def test_lora_targets_lists_read_as_projections(given, canonical):
+    # a comma list of projections (or named sets; PEFT and torchtune module names read as the projection they
+    # name: torchtune's w1/w3/w2 are gate/up/down) is stored as its named set where it is one, else in layer order
+    assert run_of(model="llama-2-7b", lora_rank=8, lora_targets=given).training.lora_targets == canonical
+
+
+def test_torchtune_llama32_3b_lora_config_trainable_count():
+    # torchtune llama3_2/3B_lora_single_device.yaml: lora_attn_modules [q_proj, v_proj, output_proj] and
+    # apply_lora_to_mlp, r=64; Llama-3.2-3B: h 3072, 8 K/V heads x 128 = 1024, ffn 8192, 28 layers.
+    # per layer, r x (in + out) each: q 64 x 6144 = 393,216; v 64 x 4096 = 262,144; o 393,216;
+    # gate, up, down 64 x 11264 = 720,896 each -> 3,211,264; x 28 = 89,915,392
+    r = run_of(model="llama-3.2-3b", lora_rank=64, lora_targets="q,v,o,mlp")
+    assert model_states(r).trainable_params == 28 * (2 * 393_216 + 262_144 + 3 * 720_896) == 89_915_392
+    # a list is the sum of its parts
+    m = r.model
+    assert lora_layer_params(m, "q,v,o,mlp", 64) == (lora_layer_params(m, "qv", 64) + lora_layer_params(m, "o", 64)
+                                                      + lora_layer_params(m, "mlp", 64))
+
+
+def test_lora_partial_mlp_targets_save_only_what_an_adapter_reads():
+    from memcalc.cost.activations import layer_terms
+
+    tok, h, f, r, c = 2048, 4096, 11008, 8, 2
+    # up adapted, gate and down frozen: the up adapter's A reads the MLP's input (saved, tok x h); nothing reads
+    # the down projection's input for a weight gradient (not saved); one low-rank intermediate (tok x r)
+    up = layer_terms(run_of(model="llama-2-7b", seq=2048, lora_rank=8, lora_targets="q,up"))
+    assert up["mlp_input"] == c * tok * h and up["mlp_act_output"] == 0
+    assert up["lora_mlp_low_rank"] == c * tok * r
+    # down adapted with dropout 0.1: the MLP's input unsaved; the down adapter saves its dropped copy of the
+    # down input (tok x f, bf16) and the bool mask (tok x f), not the undropped input
+    down = layer_terms(run_of(model="llama-2-7b", seq=2048, lora_rank=8, lora_targets="down", lora_dropout=0.1))
+    assert down["mlp_input"] == 0 and down["mlp_act_output"] == 0
+    assert down["lora_dropout_mlp"] == c * tok * f and down["lora_dropout_mlp_mask"] == tok * f
+    assert down["lora_mlp_low_rank"] == c * tok * r and "lora_attn_low_rank" not in down
+
+
 def test_lora_with_tp_splits_the_sharded_side():
     m = run_of(model="llama-2-7b").model
     h, r = 4096, 8
@@ -134,6 +174,8 @@ def test_batch_guidance_linear_and_sqrt():
     (["--freeze", "lm"], "--freeze"),
     (["--lora-rank", "0"], "--lora-rank"),
     (["--lora-targets", "ffn"], "--lora-targets"),
+    (["--lora-rank", "8", "--lora-targets", "q,banana"], "--lora-targets"),
+    (["--lora-rank", "8", "--lora-targets", ","], "--lora-targets"),
     (["--dp-mode", "ps", "--tp", "2", "--gpus", "2"], "--dp-mode"),
     (["--base-lr", "1e-4"], "--base-batch"),
     (["--schedule", "pipedream"], "--pp"),
@@ -241,3 +283,10 @@ def test_frozen_head_saves_no_input():
     tied = dict(model="gpt2", precision="bf16", seq=1024)
     assert last_stage_terms(run_of(freeze="head", **tied))["output_layer_input"] == 2 * 1024 * 768
     assert last_stage_terms(run_of(freeze="embeddings", **tied))["output_layer_input"] == 0
+
+
+def test_lora_mlp_targets_on_moe_refused_in_one_line():
+    code, _, err = cli("estimate", "--model", "mixtral-8x7b", "--lora-rank", "8", "--lora-targets", "q,v,o,mlp")
+    assert code == 2 and "--lora-targets" in err and len(err.strip().splitlines()) == 1
+    assert cli("estimate", "--model", "mixtral-8x7b", "--lora-rank", "8", "--lora-targets", "q_proj,o_proj",
+               "--gpus", "8", "--zero", "3")[0] == 0

@@ -50,6 +50,7 @@ ROWS = {
     85: "chunked loss (eager), uneven chunks",
     86: "chunked loss (compiled), LoRA, activation offloading",
     87: "lit-gpt loss (logits kept to the next forward), lit-gpt layer, LoRA",
+    90: "LoRA on a list of projections (k_proj, down_proj) + dropout, DDP",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any
 
 from memcalc.cost.params import head_params, padded_vocab, stage_layers
-from memcalc.specs import DTYPE_BYTES, LORA_PROJECTIONS, Run
+from memcalc.specs import DTYPE_BYTES, Run, lora_projections
 from memcalc.xp import cdiv, imax, imin, where
 
 Num = Any
@@ -270,7 +270,7 @@ def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, tok_in: Num, ea
     r = t.lora_rank
     h, d = m.hidden, m.head_dim
     heads, kv = m.heads // run.tp, m.kv_heads // run.tp
-    targets = LORA_PROJECTIONS[t.lora_targets]
+    targets = lora_projections(t.lora_targets)
     keeps_inputs = _keeps_inputs(t)
     dropped = t.lora_dropout > 0
     fused = t.qkv_impl == "fused"
@@ -299,17 +299,18 @@ def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, tok_in: Num, ea
         out["attn_output"] = 0 * out["attn_output"]
     if m.moe is not None:
         return  # MoE: LoRA on attention only (resolve() refuses mlp targets); expert terms unchanged
-    mlp = "down" in targets
-    n_in = 2 if m.mlp == "swiglu" else 1  # gate and up (or fc): one adapter each
-    if mlp:
-        out["lora_mlp_low_rank"] = (n_in + 1) * c * tok * r  # gate/up (or fc), down
-    if _mlp_inputs_unsaved(run):
+    n_in = len(_mlp_in_adapted(run))  # adapted gate / up (or fc): one adapter each, reading the MLP's input
+    n_down = 1 if _down_adapted(run) else 0
+    if n_in + n_down:
+        out["lora_mlp_low_rank"] = (n_in + n_down) * c * tok * r
+    if _mlp_input_unsaved(run):
         out["mlp_input"] = 0 * out["mlp_input"]  # input of the frozen gate/up (or fc) only
+    if _down_input_unsaved(run):
         out["mlp_act_output"] = 0 * out["mlp_act_output"]  # input of the frozen down (or proj) only
-    if mlp and dropped:
+    if (n_in + n_down) and dropped:
         f_t = cdiv(m.ffn, run.tp)
-        out["lora_dropout_mlp"] = c * (n_in * tok_in * h + tok * f_t)  # gate/up (or fc) and down modules
-        out["lora_dropout_mlp_mask"] = n_in * tok_in * h + tok * f_t
+        out["lora_dropout_mlp"] = c * (n_in * tok_in * h + n_down * tok * f_t)  # a dropped copy per module
+        out["lora_dropout_mlp_mask"] = n_in * tok_in * h + n_down * tok * f_t
 
 
 def layer_bytes(run: Run, recompute: str = "none", paper_terms: bool = False) -> Num:
@@ -693,19 +694,36 @@ def _keeps_inputs(t: Any) -> bool:
     return t.base_dtype in ("nf4", "int8") and t.quant_backend == "bnb"
 
 
-def _mlp_inputs_unsaved(run: Run) -> bool:
-    """LoRA: nothing saves the MLP's input and the down projection's input (frozen linears that keep no input and
-    no adapter reading them undropped; `_lora_terms`). MoE experts keep theirs (LoRA on attention only)."""
+def _mlp_input_unsaved(run: Run) -> bool:
+    """LoRA: nothing saves the MLP's input (the norm output that gate / up, or fc, read): frozen linears keep no
+    input and no adapter reads it undropped (`_lora_terms`). MoE experts keep theirs (LoRA on attention only)."""
+    t = run.training
+    if t.lora_rank is None or run.model.moe is not None:
+        return False
+    return not _keeps_inputs(t) and not (_mlp_in_adapted(run) and t.lora_dropout == 0)
+
+
+def _down_input_unsaved(run: Run) -> bool:
+    """LoRA: nothing saves the down (or proj) projection's input, as `_mlp_input_unsaved` for the MLP's input."""
     t = run.training
     if t.lora_rank is None or run.model.moe is not None:
         return False
     return not _keeps_inputs(t) and not (_down_adapted(run) and t.lora_dropout == 0)
 
 
+def _mlp_in_adapted(run: Run) -> tuple[str, ...]:
+    """The MLP's input projections with an adapter: gate and up of a SwiGLU MLP, up (fc) of a GELU one."""
+    t = run.training
+    if t.lora_rank is None or run.model.moe is not None:
+        return ()
+    names = ("gate", "up") if run.model.mlp == "swiglu" else ("up",)
+    return tuple(p for p in names if p in lora_projections(t.lora_targets))
+
+
 def _down_adapted(run: Run) -> bool:
     """LoRA adapts the down (or proj) projection (MLP targets; MoE models take attention targets only)."""
     t = run.training
-    return t.lora_rank is not None and run.model.moe is None and "down" in LORA_PROJECTIONS[t.lora_targets]
+    return t.lora_rank is not None and run.model.moe is None and "down" in lora_projections(t.lora_targets)
 
 
 def _down_adapter_saved(run: Run, tokens: Num, f_t: Num) -> Num:
@@ -754,8 +772,8 @@ def _down_matmul_extra(run: Run, mode: str, plain_layers: Num) -> Num:
     m = run.model
     c, tok, _, tok_in = _shape(run)
     f_t = cdiv(m.ffn if m.moe is None else m.moe.expert_ffn, run.tp)
-    inputs = c * tok_in * m.hidden + c * tok * f_t
-    plain = (inputs if _mlp_inputs_unsaved(run) else 0) - _down_adapter_saved(run, tok, f_t)
+    plain = ((c * tok_in * m.hidden if _mlp_input_unsaved(run) else 0) + (c * tok * f_t if _down_input_unsaved(run)
+             else 0) - _down_adapter_saved(run, tok, f_t))
     if mode in ("full", "op"):
         # no-grad: the attention half's residual sum (the MLP's residual operand) is live too, and with SwiGLU
         # the up projection's matmul (silu(gate) and the up output beside its dequantized weight) can exceed

@@ -1,18 +1,26 @@
 """What would make a configuration fit: re-run the cost model with one change at a time and report the bytes
 each saves. Changes are listed cheapest first by their usual throughput cost (a higher ZeRO stage or a smaller
-micro-batch costs little; recompute costs about a third more compute for full; offload and more GPUs cost the
-most); every figure is computed, none is a rule of thumb.
+micro-batch costs little, a fused optimizer step nothing; recompute costs about a third more compute for full, a
+4-bit base its dequantization; offload and more GPUs cost the most); every figure is computed, none is a rule of
+thumb. Each change's flags are the command line that reproduces it (tests/test_advice.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
-from memcalc.specs import Run
+from memcalc.specs import QUANTIZED, Run
 
 Change = tuple[str, str, Callable[[Run], Run]]
 
 MIN_SAVING_BYTES = 64 * 2**20
+
+
+def _accum(run: Run, factor: int) -> str:
+    """The flag that keeps the global batch when a change divides the sequences per step by `factor`: none where
+    --global-batch was given (the accumulation follows from it), else --grad-accum times `factor`."""
+    return "" if run.training.global_batch is not None else f" --grad-accum {run.grad_accum * factor}"
 
 
 def _candidates(run: Run) -> Iterator[Change]:
@@ -24,7 +32,7 @@ def _candidates(run: Run) -> Iterator[Change]:
         mb = run.micro_batch // 2
         yield (
             f"micro-batch {mb} (x{2} accumulation, same global batch)",
-            f"--micro-batch {mb}",
+            f"--micro-batch {mb}" + _accum(run, run.micro_batch // mb),
             lambda r: r.replace(micro_batch=mb, grad_accum=r.grad_accum * (r.micro_batch // mb)),
         )
     if t.loss in ("full", "chunked-eager"):
@@ -32,30 +40,48 @@ def _candidates(run: Run) -> Iterator[Change]:
         # logits instead of their fp32 log-softmax: no extra compute
         yield ("chunked cross-entropy, compiled", "--loss chunked",
                lambda r: r.replace(training=r.training.model_copy(update={"loss": "chunked"})))
+    if run.recipe.optimizer_impl == "foreach" and t.optimizer in ("adam", "adamw", "sgd", "sgd-momentum"):
+        # torch.optim's fused=True (Adam, AdamW, SGD) steps in place: none of foreach's parameter-sized
+        # temporaries, and no slower
+        yield ("fused optimizer step (torch fused=True)", "--optimizer-impl fused",
+               lambda r: r.replace(training=r.training.model_copy(update={"optimizer_impl": "fused", "foreach": None}),
+                                   recipe=dataclasses.replace(r.recipe, optimizer_impl="fused", foreach=False)))
     if t.recompute == "none":
         yield ("selective recompute", "--recompute selective",
                lambda r: r.replace(training=r.training.model_copy(update={"recompute": "selective"})))
     m = run.model
     tp2 = run.tp * 2
     if (m.heads % tp2 == 0 and m.kv_heads % tp2 == 0 and tp2 <= run.hardware.gpus_per_node and run.dp % 2 == 0):
-        yield (f"tensor parallel {tp2}" + (" with SP" if run.sp or run.tp == 1 else ""), f"--tp {tp2}",
-               lambda r: r.replace(tp=tp2, dp=r.dp // 2, sp=True if r.profile != "deepspeed" else r.sp,
-                                   grad_accum=r.grad_accum * 2, global_batch=r.global_batch))
+        # with SP where the profile has it (megatron turns it on with TP by itself; torch needs --sp)
+        sp = run.profile != "deepspeed" or run.sp
+        yield (f"tensor parallel {tp2}" + (" with SP" if sp else ""),
+               f"--tp {tp2}" + (" --sp" if run.profile == "torch" else "") + _accum(run, 2),
+               lambda r: r.replace(tp=tp2, dp=r.dp // 2, sp=sp, grad_accum=r.grad_accum * 2,
+                                   global_batch=r.global_batch))
     if t.recompute != "full":
         yield ("full recompute", "--recompute full",
                lambda r: r.replace(training=r.training.model_copy(update={"recompute": "full",
                                                                           "recompute_layers": None})))
+    if t.lora_rank is not None and t.base_dtype not in QUANTIZED:
+        # QLoRA (Dettmers et al. 2023): the frozen base in 4-bit NF4, dequantized around each matmul
+        yield ("4-bit NF4 base (QLoRA)", "--base-dtype nf4",
+               lambda r: r.replace(training=r.training.model_copy(update={"base_dtype": "nf4"})))
     pp2 = run.pp * 2
     if pp2 <= m.layers and run.dp % 2 == 0 and run.vpp == 1:
-        yield (f"pipeline parallel {pp2}", f"--pp {pp2}",
+        yield (f"pipeline parallel {pp2}", f"--pp {pp2}" + _accum(run, 2),
                lambda r: r.replace(pp=pp2, dp=r.dp // 2, grad_accum=r.grad_accum * 2))
     if not t.offload_activations and m.layers > 2:
         yield ("activation offloading to host memory", "--offload-activations",
                lambda r: r.replace(training=r.training.model_copy(update={"offload_activations": True})))
     if run.offload == "none" and run.zero >= 1:
         yield ("optimizer offload to CPU", "--offload optimizer", lambda r: r.replace(offload="optimizer"))
-    yield (f"twice the GPUs ({run.gpus * 2})", f"--gpus {run.gpus * 2}",
-           lambda r: r.replace(gpus=r.gpus * 2, dp=r.dp * 2, global_batch=r.global_batch * 2))
+    if run.gpus == 1 and run.offload == "none":
+        # one GPU has nothing to shard with: a second one only helps with the states sharded (FSDP / ZeRO-3)
+        yield ("2 GPUs, states sharded (ZeRO-3 / FSDP)", "--gpus 2 --zero 3",
+               lambda r: r.replace(gpus=2, dp=2, zero=3, global_batch=r.global_batch * 2))
+    else:
+        yield (f"twice the GPUs ({run.gpus * 2})", f"--gpus {run.gpus * 2}",
+               lambda r: r.replace(gpus=r.gpus * 2, dp=r.dp * 2, global_batch=r.global_batch * 2))
 
 
 def advise(run: Run, peak: int, limit: int = 3) -> list:

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from memcalc.specs import LORA_PROJECTIONS, ModelSpec, Run
+from memcalc.specs import ModelSpec, Run, lora_projections
 from memcalc.xp import cdiv, imax, imin, muldiv, per_value, where
 
 Num = Any
@@ -175,7 +175,7 @@ def lora_layer_params(m: ModelSpec, targets: str, rank: int, tp: Num = 1) -> Num
     shapes = {"q": (h, a * d, False), "k": (h, g * d, False), "v": (h, g * d, False), "o": (a * d, h, True),
               "gate": (h, m.ffn, False), "up": (h, m.ffn, False), "down": (m.ffn, h, True)}
     total = 0
-    for p in LORA_PROJECTIONS[targets]:
+    for p in lora_projections(targets):
         if p == "gate" and m.mlp != "swiglu":
             continue  # a GELU MLP has fc ("up") and proj ("down") only
         n_in, n_out, row = shapes[p]

@@ -229,7 +229,8 @@ def _render_verdict(est: Estimate, con: Console, units: str) -> None:
     if mem.advice:
         head = "What would help:" if not mem.fits else "Ways to lower the peak:"
         con.print(head)
+        width = max(len(a.flags) for a in mem.advice)
         for a in mem.advice:
             verdict = "fits" if a.fits_after else "still short"
-            con.print(f"  {a.flags:<22} {a.change}: saves {format_bytes(a.saves_bytes, units)} → "
-                      f"{format_bytes(a.peak_bytes_after, units)} ({verdict})")
+            con.print(f"  {a.flags:<{width}}  {a.change}: saves {format_bytes(a.saves_bytes, units)} → "
+                      f"{format_bytes(a.peak_bytes_after, units)} ({verdict})", markup=False)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memcalc.specs import LORA_PROJECTIONS, ModelSpec
+from memcalc.specs import ModelSpec, lora_projections
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -473,7 +473,7 @@ def apply_lora(model: nn.Module, targets: str, rank: int, base_dtype: torch.dtyp
     for p in model.parameters():
         p.requires_grad_(False)
     model.to(base_dtype)
-    names = LORA_PROJECTIONS[targets]
+    names = lora_projections(targets)
     for module in list(model.modules()):
         if isinstance(module, Attention) and module.fused:
             adapted = tuple(p for p in ("q", "k", "v") if p in names)

@@ -1,0 +1,62 @@
+"""The verdict's suggested changes (issue 3, item 8): each one's saving is the model re-run with that change, and
+its flags are a command line that reproduces it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import cli_json
+
+CASES = [
+    # LoRA on a bf16 70B base cannot fit one H100: a 4-bit base (QLoRA) or a second GPU with the states sharded can
+    ("--model", "llama-2-70b", "--lora-rank", "16", "--gpu", "h100", "--seq", "2048", "--recompute", "full"),
+    # full fine-tuning on one GPU, torch's foreach AdamW: its parameter-sized temporaries set the peak
+    ("--model", "llama-2-13b", "--gpu", "a100-80gb", "--seq", "2048"),
+    # README's worked example: eight GPUs, ZeRO-1
+    ("--model", "llama-2-7b", "--gpus", "8", "--zero", "1", "--micro-batch", "2", "--seq", "4096"),
+    # a configuration that fits: the ways to lower its peak
+    ("--model", "llama-3.2-3b", "--lora-rank", "64", "--lora-targets", "q,v,o,mlp", "--seq", "4096",
+     "--micro-batch", "2", "--gpu", "a100-80gb"),
+]
+
+
+@pytest.mark.parametrize("args", CASES, ids=lambda a: " ".join(a[:4]))
+def test_each_suggestion_is_the_command_it_prints(args):
+    doc = cli_json("estimate", *args)
+    mem = doc["memory"]
+    assert mem["advice"], args
+    for a in mem["advice"]:
+        after = cli_json("estimate", *args, *a["flags"].split())["memory"]
+        assert after["peak_bytes"] == a["peak_bytes_after"], a["flags"]
+        assert a["saves_bytes"] == mem["peak_bytes"] - a["peak_bytes_after"] > 0
+        assert a["fits_after"] == after["fits"]
+    if not mem["fits"]:  # changes that make it fit come first
+        fits = [a["fits_after"] for a in mem["advice"]]
+        assert fits == sorted(fits, reverse=True)
+
+
+def test_lora_that_does_not_fit_is_told_about_qlora_and_sharding():
+    mem = cli_json("estimate", *CASES[0])["memory"]
+    assert not mem["fits"]
+    flags = [a["flags"] for a in mem["advice"] if a["fits_after"]]
+    # the bf16 base is 68.98e9 x 2 B = 128.5 GiB; as NF4 about 0.5 B per weight
+    assert flags[0] == "--base-dtype nf4" and "--gpus 2 --zero 3" in flags
+
+
+def test_single_gpu_full_finetune_is_told_about_the_fused_step_and_a_sharded_second_gpu():
+    mem = cli_json("estimate", *CASES[1])["memory"]
+    flags = [a["flags"] for a in mem["advice"]]
+    # one GPU: "twice the GPUs" alone would replicate everything; with ZeRO-3 it halves the states
+    assert "--gpus 2 --zero 3" in flags and "--gpus 2" not in flags
+    assert "--optimizer-impl fused" in flags
+
+
+@pytest.mark.parametrize("profile", ["torch", "megatron", "deepspeed"])
+def test_tensor_parallel_suggestion_reproduces_per_profile(profile):
+    args = ("--model", "llama-2-7b", "--gpus", "8", "--zero", "1", "--seq", "4096", "--profile", profile,
+            "--global-batch", "64")
+    mem = cli_json("estimate", *args)["memory"]
+    tp = [a for a in mem["advice"] if a["flags"].startswith("--tp")]
+    assert tp, mem["advice"]
+    after = cli_json("estimate", *args, *tp[0]["flags"].split())["memory"]
+    assert after["peak_bytes"] == tp[0]["peak_bytes_after"]
