@@ -31,7 +31,8 @@ def _candidates(run: Run) -> Iterator[Change]:
     if run.micro_batch > 1:
         mb = run.micro_batch // 2
         yield (
-            f"micro-batch {mb} (x{2} accumulation, same global batch)",
+            f"micro-batch {mb} (x{run.micro_batch // mb} accumulation"
+            + (", same global batch)" if run.micro_batch % mb == 0 else ")"),
             f"--micro-batch {mb}" + _accum(run, run.micro_batch // mb),
             lambda r: r.replace(micro_batch=mb, grad_accum=r.grad_accum * (r.micro_batch // mb)),
         )
