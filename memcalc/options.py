@@ -58,7 +58,6 @@ CHOICES = {
     "mlp": ("swiglu", "gelu"),
     "norm": ("rmsnorm", "layernorm"),
     "positions": ("rotary", "learned"),
-    "lora_targets": ("attn", "qv", "mlp", "all"),
     "norm_impl": ("fused", "fp32"),
     "qkv_impl": ("separate", "fused"),
     "gqa_impl": ("native", "expand"),

@@ -694,21 +694,23 @@ def _keeps_inputs(t: Any) -> bool:
     return t.base_dtype in ("nf4", "int8") and t.quant_backend == "bnb"
 
 
-def _mlp_input_unsaved(run: Run) -> bool:
-    """LoRA: nothing saves the MLP's input (the norm output that gate / up, or fc, read): frozen linears keep no
-    input and no adapter reads it undropped (`_lora_terms`). MoE experts keep theirs (LoRA on attention only)."""
+def _lora_input_unsaved(run: Run, adapted: bool) -> bool:
+    """LoRA: nothing saves a frozen linear's input when no adapter reads it undropped and the base keeps no input
+    (`_lora_terms`). MoE experts keep theirs (LoRA on attention only)."""
     t = run.training
     if t.lora_rank is None or run.model.moe is not None:
         return False
-    return not _keeps_inputs(t) and not (_mlp_in_adapted(run) and t.lora_dropout == 0)
+    return not _keeps_inputs(t) and not (adapted and t.lora_dropout == 0)
+
+
+def _mlp_input_unsaved(run: Run) -> bool:
+    """The MLP's input (the norm output that gate / up, or fc, read) is saved by nothing."""
+    return _lora_input_unsaved(run, bool(_mlp_in_adapted(run)))
 
 
 def _down_input_unsaved(run: Run) -> bool:
-    """LoRA: nothing saves the down (or proj) projection's input, as `_mlp_input_unsaved` for the MLP's input."""
-    t = run.training
-    if t.lora_rank is None or run.model.moe is not None:
-        return False
-    return not _keeps_inputs(t) and not (_down_adapted(run) and t.lora_dropout == 0)
+    """The down (or proj) projection's input is saved by nothing."""
+    return _lora_input_unsaved(run, _down_adapted(run))
 
 
 def _mlp_in_adapted(run: Run) -> tuple[str, ...]:
@@ -772,8 +774,9 @@ def _down_matmul_extra(run: Run, mode: str, plain_layers: Num) -> Num:
     m = run.model
     c, tok, _, tok_in = _shape(run)
     f_t = cdiv(m.ffn if m.moe is None else m.moe.expert_ffn, run.tp)
-    plain = ((c * tok_in * m.hidden if _mlp_input_unsaved(run) else 0) + (c * tok * f_t if _down_input_unsaved(run)
-             else 0) - _down_adapter_saved(run, tok, f_t))
+    mlp_input = c * tok_in * m.hidden if _mlp_input_unsaved(run) else 0
+    down_input = c * tok * f_t if _down_input_unsaved(run) else 0
+    plain = mlp_input + down_input - _down_adapter_saved(run, tok, f_t)
     if mode in ("full", "op"):
         # no-grad: the attention half's residual sum (the MLP's residual operand) is live too, and with SwiGLU
         # the up projection's matmul (silu(gate) and the up output beside its dequantized weight) can exceed

@@ -7,10 +7,9 @@ thumb. Each change's flags are the command line that reproduces it (tests/test_a
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 
-from memcalc.specs import QUANTIZED, Run
+from memcalc.specs import QUANTIZED, Run, _recipe
 
 Change = tuple[str, str, Callable[[Run], Run]]
 
@@ -44,9 +43,11 @@ def _candidates(run: Run) -> Iterator[Change]:
     if run.recipe.optimizer_impl == "foreach" and t.optimizer in ("adam", "adamw", "sgd", "sgd-momentum"):
         # torch.optim's fused=True (Adam, AdamW, SGD) steps in place: none of foreach's parameter-sized
         # temporaries, and no slower
-        yield ("fused optimizer step (torch fused=True)", "--optimizer-impl fused",
-               lambda r: r.replace(training=r.training.model_copy(update={"optimizer_impl": "fused", "foreach": None}),
-                                   recipe=dataclasses.replace(r.recipe, optimizer_impl="fused", foreach=False)))
+        def fused(r: Run) -> Run:
+            t2 = r.training.model_copy(update={"optimizer_impl": "fused", "foreach": None})
+            return r.replace(training=t2, recipe=_recipe(r.profile, t2))  # the recipe as resolve() derives it
+
+        yield ("fused optimizer step (torch fused=True)", "--optimizer-impl fused", fused)
     if t.recompute == "none":
         yield ("selective recompute", "--recompute selective",
                lambda r: r.replace(training=r.training.model_copy(update={"recompute": "selective"})))
