@@ -93,6 +93,11 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
              "with compile) | chunked-eager (the same chunks in eager mode: every chunk's fp32 log-softmax is "
              "saved) | lit-gpt (lit-gpt's LM head per 128-token chunk and chunked_cross_entropy: no upcast outside "
              "autocast, and the training loop keeps the logits until the next forward).", panel=_T)),
+    "keep_logits": (str, "none", _opt("--keep-logits", help="The training loop's reference to the model's "
+                    "logits (`logits = model(x); loss_fn(logits, y).backward()`), live until the next forward "
+                    "replaces it: none (dropped before backward: HF Trainer, del logits) | compute (nanoGPT's "
+                    "`logits, loss = model(X, Y)`) | fp32 (a model that returns upcast logits: torchtune 0.1). "
+                    "--loss full only.", panel=_T)),
     "offload_activations": (bool, False, _opt("--offload-activations/--no-offload-activations", help="Layers' "
                             "saved activations go to host memory in forward and come back in backward, one layer "
                             "ahead (torchtune enable_activation_offloading, Megatron/TE --cpu-offloading); two "

@@ -166,6 +166,11 @@ class TrainingSpec(_Frozen):
     # HF `repeat_kv`); eager attention always expands
     gqa_impl: Literal["native", "expand"] = "native"
     loss: Literal["full", "chunked", "chunked-eager", "lit-gpt"] = "full"
+    # the training loop's own reference to the model's output logits (`logits = model(x); loss = loss_fn(logits, y);
+    # loss.backward()`): none (dropped before backward: HF Trainer, `del logits`), compute (kept in the compute
+    # dtype until the next forward replaces them: nanoGPT's `logits, loss = model(X, Y)`) or fp32 (a model that
+    # returns upcast logits: torchtune 0.1's `self.output(h).float()`); docs/methodology.md "The loop's logits"
+    keep_logits: Literal["none", "compute", "fp32"] = "none"
     # the layers' saved activations live in host memory between their forward and backward, double-buffered one
     # layer at a time (docs/methodology.md "Activation offloading"); embedding, final norm, head and loss stay
     offload_activations: bool = False
@@ -456,6 +461,12 @@ def resolve(
         ga = t.grad_accum or 1
     if t.recompute_layers is not None and t.recompute == "none":
         raise InputError("--recompute-layers needs --recompute selective, op or full")
+    if t.keep_logits != "none":
+        why = ("--loss " + t.loss if t.loss != "full" else "--profile megatron" if profile == "megatron"
+               else f"--pp {pp}" if pp > 1 else "--dp-mode dataparallel" if p.dp_mode == "dataparallel" else None)
+        if why:
+            raise InputError(f"--keep-logits {t.keep_logits} is a training loop's reference to the logits of "
+                             f"--loss full without pipelining (got {why}); valid there: none")
     if t.foreach is not None and t.optimizer_impl is not None and t.foreach != (t.optimizer_impl == "foreach"):
         flag = "--foreach" if t.foreach else "--no-foreach"
         raise InputError(f"{flag} contradicts --optimizer-impl {t.optimizer_impl}; give one of them")

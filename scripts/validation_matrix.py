@@ -206,6 +206,13 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         GQA, precision="bf16", master_weights=False, lora_rank=4, lora_targets="q,v,o,up"))
     add("LoRA r=4 on k_proj,down_proj + dropout 0.1, bf16 AMP, DDP", dict(
         L, precision="bf16", lora_rank=4, lora_targets="k_proj,down_proj", lora_dropout=0.1, gpus=2))
+    # --keep-logits: the loop's `logits` live until the next forward's replace them (grad-accum 2: through the
+    # second micro-batch's forward too); vocab 8192 so that the loss sets the peak
+    add("loop keeps the logits (nanoGPT), bf16 AMP, vocab 8192, grad-accum 2", dict(
+        GQA, vocab=8192, seq=256, precision="bf16", grad_accum=2, keep_logits="compute"))
+    add("loop keeps fp32 logits (torchtune 0.1), LoRA r=4 q,v + dropout, pure bf16, full recompute, grad-accum 2",
+        dict(GQA, vocab=8192, seq=256, micro_batch=2, precision="bf16", master_weights=False, recompute="full",
+             norm_impl="fp32", lora_rank=4, lora_targets="qv", lora_dropout=0.05, grad_accum=2, keep_logits="fp32"))
     return c
 
 
@@ -381,7 +388,8 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "4-bit codes and absmax as QLoRA stores them, dequantized around each matmul with bitsandbytes' or "
            "torchao's autograd semantics); the full loss, torchtune's chunked loss eager or compiled (the "
            "compiled per-chunk cross-entropy stands in for inductor's kernels: it saves what they save, "
-           "tests/test_chunked_loss.py) and lit-gpt's loss (128-token head pieces, logits kept by the loop).",
+           "tests/test_chunked_loss.py) and lit-gpt's loss (128-token head pieces, logits kept by the loop); a "
+           "loop that keeps the full loss's logits to the next forward (--keep-logits).",
            "",
            "Measured kinds (`components_detail`): params, master_weights, grads, optimizer (moments and step "
            "scalars), activations (allocated in forward), compute_copies (autocast casts of weights), "

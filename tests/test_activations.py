@@ -405,6 +405,37 @@ def test_loss_terms_llama3_vocab():
     assert loss_transients(ra) == (4 * g128, 2 * 4 * g128)
 
 
+def test_loop_kept_logits_terms():
+    """--keep-logits: a loop holding `logits` keeps them saved-like from the loss until the next forward. Llama 3 8B,
+    4096 tokens, bf16 AMP: n = 4096 x 128256 logits. compute (nanoGPT): 2n kept, and the forward transient drops
+    to the fp32 upcast alone (the bf16 logits are the kept ones); the stranded block is gone (the hole the loss
+    gradient finds is the upcast's, fp32-sized). fp32 (torchtune 0.1's `.float()` in the model): 4n kept, no
+    forward transient at the loss (the bf16 logits were freed by the upcast), the bf16 hole stays stranded."""
+    from memcalc.cost.activations import loss_stranded_bytes
+
+    T, V = 4096, 128256
+    n = T * V
+    none = make(llama3_8b(), "torch", seq=T)
+    comp = make(llama3_8b(), "torch", seq=T, keep_logits="compute")
+    up = make(llama3_8b(), "torch", seq=T, keep_logits="fp32")
+    assert last_stage_terms(none)["loop_kept_logits"] == loss_kept_bytes(none) == 0
+    assert last_stage_terms(comp)["loop_kept_logits"] == loss_kept_bytes(comp) == 2 * n == 1_050_673_152
+    assert last_stage_terms(up)["loop_kept_logits"] == loss_kept_bytes(up) == 4 * n == 2_101_346_304
+    assert loss_transients(none) == (2 * n + 4 * n, 8 * n)
+    assert loss_transients(comp) == (4 * n, 8 * n)
+    assert loss_transients(up) == (0, 8 * n)
+    assert (loss_stranded_bytes(none), loss_stranded_bytes(comp), loss_stranded_bytes(up)) == (2 * n, 0, 2 * n)
+    # the moment at the loss's forward holds the same bytes with `compute` (kept 2n + upcast 4n + log-softmax 4n)
+    # as without (bf16 2n + upcast 4n + log-softmax 4n); backward and the optimizer step hold the kept bytes more
+    a0, a1, a2 = (stage_activations(r, 0) for r in (none, comp, up))
+    assert a1.forward_bytes == a0.forward_bytes and a2.forward_bytes == a0.forward_bytes - 2 * n
+    assert a1.backward_first_bytes - a0.backward_first_bytes == 2 * n
+    assert a2.backward_first_bytes - a0.backward_first_bytes == 4 * n
+    assert (a1.loss_kept_bytes, a2.loss_kept_bytes) == (2 * n, 4 * n)
+    # fp32: the upcast is made at the head while the previous micro-batch's fp32 logits are still held
+    assert a2.forward_head_bytes - a0.forward_head_bytes == 4 * n + 4 * n
+
+
 def test_embedding_terms_with_dropout_and_sp():
     T, h, t = 2048, 6144, 8
     r = make(gpt(h, 64), "megatron", seq=T, tp=t, gpus=t)

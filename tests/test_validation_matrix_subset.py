@@ -51,6 +51,7 @@ ROWS = {
     86: "chunked loss (compiled), LoRA, activation offloading",
     87: "lit-gpt loss (logits kept to the next forward), lit-gpt layer, LoRA",
     90: "LoRA on a list of projections (k_proj, down_proj) + dropout, DDP",
+    92: "the loop keeps fp32 logits to the next forward (torchtune 0.1), LoRA, grad-accum 2",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

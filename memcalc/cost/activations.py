@@ -446,12 +446,23 @@ def _litgpt_upcasts(run: Run) -> bool:
 
 
 def loss_kept_bytes(run: Run) -> Num:
-    """lit-gpt's training loop keeps `logits` (the model's list of chunks) referenced until the next forward's list
-    replaces it: through the backward, the optimizer step and the next forward (0 for the other losses, whose
-    recipes delete or never hold the logits)."""
-    if run.training.loss != "lit-gpt":
+    """The logits the training loop keeps referenced until the next forward's replace them: through the backward,
+    the optimizer step and the next forward. lit-gpt's loop keeps `logits` (the model's list of chunks);
+    `--keep-logits compute|fp32` is a loop that keeps the model's output under `--loss full` (nanoGPT's
+    `logits, loss = model(X, Y)`; torchtune 0.1, whose model returns `self.output(h).float()`). 0 where the loop
+    deletes or never holds them."""
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
+    if run.training.loss == "lit-gpt":
+        return c * _logit_elems(run) * _gathered_replicas(run)
+    return _loop_logit_bytes(run) * _logit_elems(run)
+
+
+def _loop_logit_bytes(run: Run) -> int:
+    """Bytes per logit the loop keeps under `--loss full` (0, the compute dtype's, or 4 for upcast logits)."""
+    keep = run.training.keep_logits
+    if run.training.loss != "full" or keep == "none":
         return 0
-    return DTYPE_BYTES[run.recipe.compute_dtype] * _logit_elems(run) * _gathered_replicas(run)
+    return 4 if keep == "fp32" else DTYPE_BYTES[run.recipe.compute_dtype]
 
 
 def _loss_saved(run: Run) -> dict[str, Num]:
@@ -471,11 +482,14 @@ def _loss_saved(run: Run) -> dict[str, Num]:
         # cross-entropy upcasts, else in the compute dtype
         up = _litgpt_upcasts(run)
         n = _logit_elems(run) * r
-        return {"loss_logits_fp32": 4 * n if up else 0, "loss_logits_compute_dtype": c * n + (0 if up else c * n)}
+        return {"loss_logits_fp32": 4 * n if up else 0, "loss_logits_compute_dtype": c * n + (0 if up else c * n),
+                "loop_kept_logits": 0}
     if run.training.loss == "chunked":
         _, tok, _, _ = _shape(run)
-        return {"loss_logits_fp32": 8 * tok * r, "loss_logits_compute_dtype": c * _logit_elems(run) * r}
-    return {"loss_logits_fp32": 4 * _logit_elems(run) * r, "loss_logits_compute_dtype": 0}
+        return {"loss_logits_fp32": 8 * tok * r, "loss_logits_compute_dtype": c * _logit_elems(run) * r,
+                "loop_kept_logits": 0}
+    return {"loss_logits_fp32": 4 * _logit_elems(run) * r, "loss_logits_compute_dtype": 0,
+            "loop_kept_logits": loss_kept_bytes(run)}
 
 
 def loss_transients(run: Run) -> tuple[Num, Num]:
@@ -520,6 +534,10 @@ def loss_transients(run: Run) -> tuple[Num, Num]:
     dtensor_ce = where(run.tp > 1, 1, 0) if run.profile == "torch" else 0
     # with fp32 logits `.float()` returns the same tensor: no upcast copy
     fwd = c * n + (0 if (inplace or c == 4) else 4 * n32) + 4 * n32 * dtensor_ce
+    # a loop that keeps the logits (`loop_kept_logits`, saved) holds the compute-dtype logits (`compute`: the
+    # upcast, 4n, is the transient) or their upcast (`fp32`: the model's `.float()` freed the compute-dtype
+    # logits, and at the log-softmax only the kept upcast and the saved output are live)
+    fwd = fwd - {"none": 0, "compute": c * n, "fp32": fwd - 4 * n32 * dtensor_ce}[run.training.keep_logits]
     bwd = (c * n if inplace else 0) + (0 if inplace else (8 + 4 * dtensor_ce) * n32)
     return fwd, bwd
 
@@ -538,6 +556,8 @@ def loss_stranded_bytes(run: Run) -> Num:
     cached."""
     c = DTYPE_BYTES[run.recipe.compute_dtype]
     if run.profile == "megatron" or c == 4 or run.training.loss != "full" or run.dp_mode == "dataparallel":
+        return 0
+    if run.training.keep_logits == "compute":  # the loop keeps the compute-dtype logits: the hole is the upcast's
         return 0
     return where(run.pp > 1, 0, c * _logit_elems(run))
 
@@ -987,7 +1007,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         at_layer = imax(layer_tr, remat)  # the core comes back after the MLP's backward
     else:
         at_layer = layer_tr
-    logits = where(last, c * _logit_elems(run), 0)
+    # the logits at the LM head's matmul; a model that returns them upcast (`--keep-logits fp32`) makes the fp32
+    # copy right there, while the loop still holds the previous micro-batch's (in `base`)
+    logits = where(last, (c + (4 if tr.keep_logits == "fp32" and c < 4 else 0)) * _logit_elems(run), 0)
     # the end of the last layer's forward: its down (or proj) output, not saved, beside the residual add's output,
     # which the final norm saves on the last stage (a loss / LM-head term subtracted with `last_saved`); a
     # quantized down projection's matmul just before: its output and dequantized weight, and, when the layer is

@@ -35,11 +35,17 @@ def _candidates(run: Run) -> Iterator[Change]:
             f"--micro-batch {mb}" + _accum(run, run.micro_batch // mb),
             lambda r: r.replace(micro_batch=mb, grad_accum=r.grad_accum * (r.micro_batch // mb)),
         )
+    drop = " --keep-logits none" if t.keep_logits != "none" else ""
+    if drop:
+        # the loop's `logits` reference, deleted before backward (`del logits`, as torchtune's recipes now do)
+        yield ("the loop drops its logits before backward (del logits)", drop.strip(),
+               lambda r: r.replace(training=r.training.model_copy(update={"keep_logits": "none"})))
     if t.loss in ("full", "chunked-eager"):
         # a compiled chunked cross-entropy (torchtune CEWithChunkedOutputLoss + compile) keeps the compute-dtype
         # logits instead of their fp32 log-softmax: no extra compute
-        yield ("chunked cross-entropy, compiled", "--loss chunked",
-               lambda r: r.replace(training=r.training.model_copy(update={"loss": "chunked"})))
+        yield ("chunked cross-entropy, compiled", "--loss chunked" + drop,
+               lambda r: r.replace(training=r.training.model_copy(update={"loss": "chunked",
+                                                                          "keep_logits": "none"})))
     if run.recipe.optimizer_impl == "foreach" and t.optimizer in ("adam", "adamw", "sgd", "sgd-momentum"):
         # torch.optim's fused=True (Adam, AdamW, SGD) steps in place: none of foreach's parameter-sized
         # temporaries, and no slower

@@ -343,12 +343,15 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                         with amp(), loss_ctx():
                             with offload.forward() if offload else contextlib.nullcontext():
                                 out = ddp_model(tokens[mb])
-                            kept_logits = None  # lit-gpt's `logits = model(...)` replaces the previous list now
+                            if t.keep_logits == "fp32":
+                                out = out.float()  # torchtune 0.1's model returns `self.output(h).float()`
+                            # the loop's `logits = model(...)` replaces the previous micro-batch's logits now
+                            kept_logits = None
                             if t.loss == "full":
                                 loss = loss_fn(out, targets[mb]) / ga
                             else:
                                 loss = chunked_loss_fn(out, targets[mb], t.loss, tracker.paused) / ga
-                            if t.loss == "lit-gpt":
+                            if t.loss == "lit-gpt" or t.keep_logits != "none":
                                 kept_logits = out  # referenced by the loop through backward and the step
                             del out  # torchtune's recipes `del logits` before backward
                         cuda_mark("forward", False)
