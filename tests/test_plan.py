@@ -97,8 +97,10 @@ def test_every_feasible_configuration_is_valid_and_fits(small):
 
 
 @pytest.mark.parametrize("flags", [dict(loss="chunked"), dict(loss="chunked-eager"), dict(loss="lit-gpt"),
-                                   dict(offload_activations=True), dict(offload="optimizer")],
-                         ids=["chunked", "chunked-eager", "lit-gpt", "offload-activations", "offload-optimizer"])
+                                   dict(keep_logits="fp32"), dict(offload_activations=True),
+                                   dict(offload="optimizer")],
+                         ids=["chunked", "chunked-eager", "lit-gpt", "keep-logits", "offload-activations",
+                              "offload-optimizer"])
 def test_bulk_equals_estimate_for_losses_and_offloading(flags):
     """The losses' terms depend on the micro-batch (chunk copies, the head's weight-gradient moment, lit-gpt's kept
     logits) and offloading adds GPU <-> host copies to the step: for a sample of the bulk search's feasible rows,
@@ -310,7 +312,7 @@ def test_cli_json_contract():
                          "--global-batch", "32", "--seq", "2048", "--pp", "1,2", "--top", "2", "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert data["schema_version"] == "1.0" and data["kind"] == "plan"
+    assert data["schema_version"] == "1.1" and data["kind"] == "plan"
     assert set(data) == {"schema_version", "kind", "inputs", "search", "plans", "pareto", "advice"}
     assert set(data["search"]) >= {"considered", "rejected", "evaluated", "feasible", "wall_seconds"}
     assert data["inputs"]["bounds"]["pp"] == [1, 2] and data["inputs"]["bounds"]["tp"] == "auto"
@@ -391,3 +393,18 @@ def test_model_code_and_lora_dropout_in_the_planner_equal_estimate():
         assert run.training.qkv_impl == "fused" and run.training.lora_dropout == 0.05
         assert peak_bytes(run) == int(f.peak[i])
 
+
+
+def test_kept_logits_rule_out_pipelining():
+    """A training loop that keeps its logits (--keep-logits) runs the model itself: every layout with pp > 1 is
+    rejected by `keep_logits_pp` (pp in {1, 2} x tp in {1, 2} on 8 GPUs: the two pp-2 layouts x 1 micro-batch x
+    the categorical combos), and every returned plan re-resolves through `estimate`'s rules."""
+    o = RunOptions(model="llama-2-7b", gpus=8, gpu="h100-sxm-80gb", global_batch=32, seq=4096, keep_logits="compute")
+    b = parse_bounds(tp="1,2", pp="1,2", vpp="1", cp="1", micro_batch="1", zero="3", recompute="full", sp="off",
+                     offload="none")
+    res = search(Request(o, bounds=b, top=5))
+    assert res.rejected["keep_logits_pp"] == 2 * 1 * 1
+    assert res.feasible.size > 0
+    for i in range(res.feasible.size):
+        run = build_run(config_options(res, int(res.feasible.pair[i]), int(res.feasible.combo[i])))
+        assert run.pp == 1 and run.training.keep_logits == "compute"

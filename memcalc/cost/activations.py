@@ -534,10 +534,13 @@ def loss_transients(run: Run) -> tuple[Num, Num]:
     dtensor_ce = where(run.tp > 1, 1, 0) if run.profile == "torch" else 0
     # with fp32 logits `.float()` returns the same tensor: no upcast copy
     fwd = c * n + (0 if (inplace or c == 4) else 4 * n32) + 4 * n32 * dtensor_ce
-    # a loop that keeps the logits (`loop_kept_logits`, saved) holds the compute-dtype logits (`compute`: the
-    # upcast, 4n, is the transient) or their upcast (`fp32`: the model's `.float()` freed the compute-dtype
-    # logits, and at the log-softmax only the kept upcast and the saved output are live)
-    fwd = fwd - {"none": 0, "compute": c * n, "fp32": fwd - 4 * n32 * dtensor_ce}[run.training.keep_logits]
+    # a loop that keeps the logits (`loop_kept_logits`, counted as saved): with `compute` the kept ones are the
+    # compute-dtype logits, so only the upcast is transient; with `fp32` the model's `.float()` already freed the
+    # compute-dtype logits and the upcast is the kept tensor, so at the log-softmax nothing logit-sized is
+    if run.training.keep_logits == "compute":
+        fwd = fwd - c * n
+    elif run.training.keep_logits == "fp32":
+        fwd = 4 * n32 * dtensor_ce
     bwd = (c * n if inplace else 0) + (0 if inplace else (8 + 4 * dtensor_ce) * n32)
     return fwd, bwd
 

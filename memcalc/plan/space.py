@@ -42,6 +42,7 @@ RULES: dict[str, str] = {
     "vpp_layers": "vpp > 1 needs pp > 1 and layers divisible by pp*vpp",
     "schedule": "vpp or pp conflicts with --schedule (interleaved needs vpp > 1, the others vpp = 1; pipedream "
                 "needs pp > 1)",
+    "keep_logits_pp": "--keep-logits (the training loop's logits) needs pp = 1",
     "cp_seq": "cp does not divide the sequence length",
     "ep": "ep does not divide dp*cp",
     "global_batch": "the global batch is not a multiple of micro-batch*dp",
@@ -51,7 +52,8 @@ RULES: dict[str, str] = {
     "below_min_headroom": "fits, but leaves less free memory than --min-headroom",
     "pruned_micro_batch": "not kept: a smaller micro-batch of the same layout already exceeded the memory budget",
 }
-INVALID_LAYOUT_RULES: tuple[str, ...] = ("tp_heads", "tp_node", "pp_layers", "vpp_layers", "schedule", "cp_seq", "ep")
+INVALID_LAYOUT_RULES: tuple[str, ...] = ("tp_heads", "tp_node", "pp_layers", "vpp_layers", "schedule",
+                                         "keep_logits_pp", "cp_seq", "ep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +205,7 @@ def _offload_ok(zero: int, offload: str, profile: str) -> bool:
 def enumerate_space(
     *, layers: int, heads: int, kv_heads: int, seq: int, global_batch: int, gpus: list[int], gpus_per_node: int,
     profile: str, ep: int, schedule: str | None, recompute_layers: int | None, bounds: Bounds,
+    keep_logits: str = "none",
 ) -> Space:
     """Every configuration within the bounds, with the count each rule rejects. See the module docstring."""
     zeros, rcs, sps, offs = _cat_axes(bounds, recompute_layers)
@@ -250,6 +253,7 @@ def enumerate_space(
         "pp_layers": PP > layers,
         "vpp_layers": inter & ((PP == 1) | (layers % (PP * VPP) != 0)),
         "schedule": sched_bad,
+        "keep_logits_pp": (PP > 1) if keep_logits != "none" else np.zeros(G.size, dtype=bool),
         "cp_seq": seq % CP != 0,
         "ep": (ep > 1) & ((DP * CP) % ep != 0),
     }
