@@ -452,17 +452,12 @@ def loss_kept_bytes(run: Run) -> Num:
     `logits, loss = model(X, Y)`; torchtune 0.1, whose model returns `self.output(h).float()`). 0 where the loop
     deletes or never holds them."""
     c = DTYPE_BYTES[run.recipe.compute_dtype]
-    if run.training.loss == "lit-gpt":
+    t = run.training
+    if t.loss == "lit-gpt":
         return c * _logit_elems(run) * _gathered_replicas(run)
-    return _loop_logit_bytes(run) * _logit_elems(run)
-
-
-def _loop_logit_bytes(run: Run) -> int:
-    """Bytes per logit the loop keeps under `--loss full` (0, the compute dtype's, or 4 for upcast logits)."""
-    keep = run.training.keep_logits
-    if run.training.loss != "full" or keep == "none":
+    if t.keep_logits == "none":  # resolve() allows compute / fp32 only with --loss full
         return 0
-    return 4 if keep == "fp32" else DTYPE_BYTES[run.recipe.compute_dtype]
+    return (4 if t.keep_logits == "fp32" else c) * _logit_elems(run)
 
 
 def _loss_saved(run: Run) -> dict[str, Num]:
