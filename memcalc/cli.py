@@ -88,7 +88,9 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                  "K/V heads: flash_attn, SDPA enable_gqa, torchtitan) | expand (copied to every query head before "
                  "SDPA: torchtune, HF repeat_kv). Eager attention always expands.", panel=_T)),
     "loss": (str, "full", _opt("--loss", help="full (the loss upcasts all logits to fp32 and saves their "
-             "log-softmax: HF, torchtitan, Megatron) | chunked (8 sequence chunks, each upcast and cross-entropied "
+             "log-softmax: HF, torchtitan, Megatron) | fused (one kernel saves only the compute-dtype logits and writes "
+             "their gradient in place: TransformerEngine parallel_cross_entropy, Megatron-LM "
+             "--cross-entropy-loss-fusion --cross-entropy-fusion-impl te) | chunked (8 sequence chunks, each upcast and cross-entropied "
              "inside torch.compile, which saves only the compute-dtype logits: torchtune CEWithChunkedOutputLoss "
              "with compile) | chunked-eager (the same chunks in eager mode: every chunk's fp32 log-softmax is "
              "saved) | lit-gpt (lit-gpt's LM head per 128-token chunk and chunked_cross_entropy: no upcast outside "
@@ -159,6 +161,9 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "order": (str, "tp,cp,pp,dp", _opt("--order", help="Rank placement, innermost first.", panel=_P)),
     "dp_mode": (str, "collective", _opt("--dp-mode", help="collective (DDP/ZeRO) | ps (parameter server) | "
                 "dataparallel (torch.nn.DataParallel).", panel=_P)),
+    "cp_comm": (str, "p2p", _opt("--cp-comm", help="Context parallelism's attention exchange: p2p (ring of K/V "
+                "blocks: TE, torch context_parallel) | a2a (all-to-all of Q, K, V and the output, Ulysses-style: "
+                "Megatron-LM --cp-comm-type a2a; needs cp | heads per TP rank).", panel=_P)),
     "tp_overlap": (bool, False, _opt("--tp-overlap/--no-tp-overlap", help="TP communication overlapped with "
                    "compute.", panel=_P)),
     "profile": (str, "torch", _opt("--profile", help="Framework whose buffers and dtypes to model: torch | "

@@ -51,7 +51,7 @@ CHOICES = {
     "optimizer": OPTIMIZERS,
     "recompute": ("none", "selective", "op", "full"),
     "attention": ("flash", "eager"),
-    "loss": ("full", "chunked", "chunked-eager", "lit-gpt"),
+    "loss": ("full", "fused", "chunked", "chunked-eager", "lit-gpt"),
     "keep_logits": ("none", "compute", "fp32"),
     "offload": ("none", "optimizer", "params"),
     "schedule": ("1f1b", "interleaved", "gpipe", "pipedream", "pipedream-2bw"),
@@ -66,6 +66,7 @@ CHOICES = {
     "optimizer_impl": ("foreach", "for-loop", "fused"),
     "base_dtype": ("nf4", "int8", "fp8", "bf16", "fp16", "fp32"),
     "dp_mode": ("collective", "ps", "dataparallel"),
+    "cp_comm": ("p2p", "a2a"),
     "quant_backend": ("bnb", "torchao"),
 }
 
@@ -150,6 +151,7 @@ class RunOptions:
     base_batch: int | None = None
     base_warmup_steps: int | None = None
     dp_mode: str = "collective"
+    cp_comm: str = "p2p"
     # framework buffer knobs (None: the framework default); names match TrainingSpec and DeepSpeed's config keys
     bucket_cap_mb: float | None = None
     gradient_as_bucket_view: bool | None = None
@@ -321,7 +323,7 @@ def build_run(o: RunOptions) -> Run:
         o = apply_imports(o)  # explicit = every field that differs from its default
     profile = check_choice("profile", o.profile)
     for field in ("precision", "grad_dtype", "optimizer", "recompute", "attention", "loss", "keep_logits", "offload",
-                  "schedule", "lora_targets", "base_dtype", "dp_mode", "quant_backend", "norm_impl", "qkv_impl",
+                  "schedule", "lora_targets", "base_dtype", "dp_mode", "cp_comm", "quant_backend", "norm_impl", "qkv_impl",
                   "gqa_impl", "optimizer_impl"):
         setattr(o, field, check_choice(field, getattr(o, field)))
     for flag, v in (("--gpus", o.gpus), ("--dp", o.dp), ("--tp", o.tp), ("--pp", o.pp), ("--vpp", o.vpp),
@@ -363,6 +365,7 @@ def build_run(o: RunOptions) -> Run:
         parallel = ParallelSpec(
             gpus=o.gpus, dp=o.dp, tp=o.tp, pp=o.pp, vpp=o.vpp, cp=o.cp, ep=o.ep, sp=o.sp, zero=o.zero,
             offload=o.offload, schedule=o.schedule, order=o.order, tp_overlap=o.tp_overlap, dp_mode=o.dp_mode,
+            cp_comm=o.cp_comm,
         )
     except ValidationError as e:
         raise InputError(_spec_error(e)) from None

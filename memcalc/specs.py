@@ -29,6 +29,10 @@ Offload = Literal["none", "optimizer", "params"]
 Schedule = Literal["1f1b", "interleaved", "gpipe", "pipedream", "pipedream-2bw"]
 BaseDtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "nf4"]
 DpMode = Literal["collective", "ps", "dataparallel"]
+# context parallelism's attention exchange: p2p (ring: K/V blocks passed around the cp ranks; TE
+# AttnFuncWithCPAndKVP2P, torch context_parallel) or a2a (all-to-all of Q, K, V and the output between sequence
+# and head sharding, Ulysses-style: TE AttnFuncWithCPAndQKVOA2A, Megatron-LM --cp-comm-type a2a)
+CpComm = Literal["p2p", "a2a"]
 
 
 class _Frozen(BaseModel):
@@ -165,7 +169,7 @@ class TrainingSpec(_Frozen):
     # or expand (copied to every query head before SDPA, which saves the copies: torchtune's MultiHeadAttention,
     # HF `repeat_kv`); eager attention always expands
     gqa_impl: Literal["native", "expand"] = "native"
-    loss: Literal["full", "chunked", "chunked-eager", "lit-gpt"] = "full"
+    loss: Literal["full", "fused", "chunked", "chunked-eager", "lit-gpt"] = "full"
     # the training loop's own reference to the model's output logits (`logits = model(x); loss = loss_fn(logits, y);
     # loss.backward()`): none (dropped before backward: HF Trainer, `del logits`), compute (kept in the compute
     # dtype until the next forward replaces them: nanoGPT's `logits, loss = model(X, Y)`) or fp32 (a model that
@@ -232,6 +236,7 @@ class ParallelSpec(_Frozen):
     order: str = "tp,cp,pp,dp"  # rank placement, innermost first (DESIGN section 5)
     tp_overlap: bool = False  # TP collectives overlapped with compute (e.g. TE userbuffers)
     dp_mode: DpMode = "collective"  # collective (DDP/ZeRO), ps (parameter server), dataparallel (torch DP)
+    cp_comm: CpComm = "p2p"
 
 
 class HardwareSpec(_Frozen):
@@ -298,6 +303,7 @@ class Run:
     seq: int
     dropout: float
     assumed_shape: str | None = None  # set when --params chose a reference shape
+    cp_comm: str = "p2p"  # ParallelSpec.cp_comm
 
     @property
     def shard_degree(self) -> Any:
@@ -414,6 +420,14 @@ def resolve(
         raise InputError("--vpp > 1 needs --pp > 1 (virtual stages interleave pipeline stages)")
     if t.seq % cp:
         raise InputError(f"--cp {cp} does not divide the sequence length {t.seq}")
+    if p.cp_comm == "a2a":
+        if profile != "megatron":
+            raise InputError(f"--cp-comm a2a is TransformerEngine's all-to-all context parallelism (Megatron-LM "
+                             f"--cp-comm-type a2a); with --profile {profile} valid: p2p")
+        if (m.heads // tp) % cp or (m.kv_heads // tp) % cp:
+            ok = [d for d in range(1, m.kv_heads // tp + 1) if (m.kv_heads // tp) % d == 0 and (m.heads // tp) % d == 0]
+            raise InputError(f"--cp {cp} with --cp-comm a2a must divide the attention heads per TP rank "
+                             f"({m.heads // tp} query, {m.kv_heads // tp} KV); valid: {', '.join(map(str, ok))}")
     if ep > 1:
         if m.moe is None:
             raise InputError(f"--ep {ep} needs a mixture-of-experts model; {m.name} is dense")
@@ -508,6 +522,7 @@ def resolve(
         order=order,
         tp_overlap=p.tp_overlap,
         dp_mode=p.dp_mode,
+        cp_comm=p.cp_comm,
         micro_batch=mb,
         grad_accum=ga,
         global_batch=mb * ga * dp,

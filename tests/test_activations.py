@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from memcalc.cost.activations import (
     LOSS_CHUNKS,
+    cp_ring_transients,
     first_stage_terms,
     in_flight,
     last_stage_terms,
@@ -25,7 +26,7 @@ from memcalc.cost.activations import (
     recompute_transient_bytes,
     stage_activations,
 )
-from memcalc.specs import HardwareSpec, ModelSpec, MoESpec, ParallelSpec, TrainingSpec, resolve
+from memcalc.specs import HardwareSpec, InputError, ModelSpec, MoESpec, ParallelSpec, TrainingSpec, resolve
 
 GIB = 2**30
 GB = 10**9
@@ -494,11 +495,17 @@ def test_full_recompute_of_a_single_layer_rematerialises_it_whole():
     none, full = stage_activations(r_none, 0), stage_activations(r_full, 0)
     plain, ckpt = layer_bytes(r_none), 2 * T * h
     loss_bwd = loss_transients(r_none)[1]
-    assert plain - ckpt > loss_bwd
-    assert none.backward_first_bytes == none.held_bytes + loss_bwd
+    # Megatron's LM-head backward comes right after the loss gradient: the bf16 logits gradient (2Tv), the head's
+    # input gradient (2Th) and gradient-accumulation fusion's dummy weight gradient (2vh) are live, the loss's
+    # fp32 softmax (4Tv) is freed: 131,072,000 + 16,777,216 + 262,144,000 - 262,144,000 B
+    V = 32000
+    head_bwd = 2 * T * V + 2 * T * h + 2 * V * h - 4 * T * V
+    assert head_bwd == 147_849_216 > loss_bwd == 2 * T * V
+    assert plain - ckpt > head_bwd
+    assert none.backward_first_bytes == none.held_bytes + head_bwd
     assert full.held_bytes == none.held_bytes - plain + ckpt
     loss_saved = sum(last_stage_terms(r_full).values())  # final norm, LM-head input, fp32 logits
-    assert full.backward_first_bytes == full.held_bytes + max(loss_bwd, plain - ckpt - loss_saved)
+    assert full.backward_first_bytes == full.held_bytes + max(head_bwd, plain - ckpt - loss_saved)
     # inside the layer's backward the re-run layer is whole, as without recompute
     assert full.backward_layer_bytes == none.backward_layer_bytes
 
@@ -768,3 +775,45 @@ def test_torch_interleaved_pipeline_holds_its_sends():
     one = build_run(RunOptions(layers=4, hidden=64, heads=4, ffn=176, vocab=512, seq=64, precision="fp32", gpus=2,
                                pp=2, grad_accum=4))
     assert stage_activations(one, 0).detail["pipeline_sent_transient"] == 0
+
+
+def test_fused_cross_entropy_keeps_only_the_compute_dtype_logits():
+    """--loss fused (TransformerEngine parallel_cross_entropy; Megatron-LM --cross-entropy-fusion-impl te): the
+    kernel saves the bf16 logits and three fp32 statistics per token (gathered from the tp ranks), and writes the
+    gradient into the saved logits. Llama-3-8B shape, 1 layer, seq 2048, tp 2 with SP (vocab shard 128,256 / 2 =
+    64,128): saved 2 x 2048 x 64,128 B of logits + 12 x 2048 x 2 B of statistics, where the unfused loss saves
+    4 x 2048 x 64,128 B of fp32 softmax. Forward transient: the per-token fp32 loss and this rank's statistics
+    beside the gathered ones (4 + 12 B per token); backward: the LM head's input gradient, 2 x 2048 x 4096 B."""
+    m = llama3_8b(layers=1)
+    T, V_t, h = 2048, 64128, 4096
+    fused = make(m, "megatron", seq=T, tp=2, gpus=2, loss="fused")
+    full = make(m, "megatron", seq=T, tp=2, gpus=2)
+    lf, lu = last_stage_terms(fused), last_stage_terms(full)
+    assert lf["loss_logits_compute_dtype"] == 2 * T * V_t == 262_668_288
+    assert lf["loss_logits_fp32"] == 12 * T * 2 == 49_152
+    assert lu["loss_logits_fp32"] == 4 * T * V_t and lu["loss_logits_compute_dtype"] == 0
+    assert loss_transients(fused) == (4 * T + 12 * T, 2 * T * h)
+    # at the loss the fused kernel holds half the unfused one's saved bytes, and its backward never adds the
+    # logit-sized cast
+    assert stage_activations(fused, 0).forward_bytes < stage_activations(full, 0).forward_bytes
+
+
+def test_all_to_all_context_parallelism_saves_the_output_twice():
+    """--cp-comm a2a (TE AttnFuncWithCPAndQKVOA2A, >= 2.8): the kernel's head-sharded output is saved besides the
+    sequence-sharded o-projection input it is exchanged into: one more 2 x (s/cp) x (a/t) x d B per layer. Llama-3-8B
+    at seq 8192, tp 2, cp 4: 2 x 2048 x 16 x 128 = 8,388,608 B. The exchange buffers are transient: Q, K, V laid
+    out, received and reordered while the projection's copies are live, 3 x 2 x 2048 x (16 + 2 x 4) x 128 B =
+    37,748,736 B in forward and again for the gradients in backward. Not saved under selective recompute (inside
+    the checkpointed core), and refused outside Megatron or where cp does not divide the heads per rank."""
+    m = llama3_8b(layers=1)
+    a2a = make(m, "megatron", seq=8192, tp=2, cp=4, gpus=8, cp_comm="a2a")
+    p2p = make(m, "megatron", seq=8192, tp=2, cp=4, gpus=8)
+    ta, tp_ = layer_terms(a2a), layer_terms(p2p)
+    assert ta["attn_output_pre_a2a"] == 2 * 2048 * 16 * 128 == 8_388_608 and "attn_output_pre_a2a" not in tp_
+    assert layer_bytes(a2a) - layer_bytes(p2p) == 8_388_608
+    assert "attn_output_pre_a2a" not in layer_terms(a2a, "selective")
+    assert cp_ring_transients(a2a) == (37_748_736, 37_748_736) == (3 * 2 * 2048 * 24 * 128,) * 2
+    with pytest.raises(InputError, match="--cp-comm a2a is TransformerEngine"):
+        make(m, "torch", seq=8192, cp=4, gpus=4, cp_comm="a2a")
+    with pytest.raises(InputError, match="valid: 1, 2, 4"):
+        make(m, "megatron", seq=8192, tp=2, cp=8, gpus=16, cp_comm="a2a")

@@ -305,6 +305,23 @@ def test_megatron_llama3_string_is_the_equivalent_flags_and_llama_3_1_8b():
     assert r.recorded["--overlap-grad-reduce"] is True
 
 
+def test_megatron_cp_exchange_and_fused_cross_entropy_are_imported():
+    """--cp-comm-type a2a and TE's fused cross-entropy (--cross-entropy-loss-fusion --cross-entropy-fusion-impl te:
+    the flags behind SimuMax's `_cef` CP rows) become --cp-comm a2a and --loss fused; Megatron's own fused
+    cross-entropy (impl native, the default) keeps the fp32 softmax: --loss full, said in a note; a CP exchange
+    memcalc does not model (allgather, a2a+p2p) is modelled as p2p, also said."""
+    te = build_run(RunOptions(megatron_args=LLAMA3_ARGS + " --cp-comm-type a2a --cross-entropy-loss-fusion "
+                              "--cross-entropy-fusion-impl te", gpus=64))
+    assert te.cp_comm == "a2a" and te.training.loss == "fused"
+    o = apply_imports(RunOptions(megatron_args=LLAMA3_ARGS + " --cp-comm-type allgather --cross-entropy-loss-fusion",
+                                 gpus=64))
+    run = build_run(o)
+    assert run.cp_comm == "p2p" and run.training.loss == "full"
+    notes = " ".join(o.import_report.notes)
+    assert "--cp-comm-type allgather: modelled as p2p" in notes and "impl native" in notes
+    assert unknown_keys(o.import_report) == set()
+
+
 def test_megatron_with_model_keeps_the_preset_shape():
     o = apply_imports(RunOptions(megatron_args=LLAMA3_ARGS, gpus=64, model="llama-3.1-8b"))
     run = build_run(o)

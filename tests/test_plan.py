@@ -13,6 +13,7 @@ import pytest
 
 from memcalc.cost.estimate import peak_bytes
 from memcalc.options import RunOptions, build_run
+from memcalc.specs import InputError
 from memcalc.plan.search import (Request, bulk_peak, command_for, config_options, pareto, plan, ranked, search,
                                  times, _group_run)
 from memcalc.plan.space import RULES, parse_bounds
@@ -98,15 +99,16 @@ def test_every_feasible_configuration_is_valid_and_fits(small):
 
 @pytest.mark.parametrize("flags", [dict(loss="chunked"), dict(loss="chunked-eager"), dict(loss="lit-gpt"),
                                    dict(keep_logits="fp32"), dict(offload_activations=True),
-                                   dict(offload="optimizer")],
+                                   dict(offload="optimizer"), dict(loss="fused"),
+                                   dict(profile="megatron", loss="fused", cp_comm="a2a")],
                          ids=["chunked", "chunked-eager", "lit-gpt", "keep-logits", "offload-activations",
-                              "offload-optimizer"])
+                              "offload-optimizer", "fused", "megatron-fused-a2a"])
 def test_bulk_equals_estimate_for_losses_and_offloading(flags):
     """The losses' terms depend on the micro-batch (chunk copies, the head's weight-gradient moment, lit-gpt's kept
     logits) and offloading adds GPU <-> host copies to the step: for a sample of the bulk search's feasible rows,
     its peak equals `estimate`'s to the byte and its step time equals the scalar time model's."""
-    o = RunOptions(model="llama-2-7b", gpus=8, gpu="h100-sxm-80gb", global_batch=32, seq=4096, profile="torch",
-                   **flags)
+    o = RunOptions(**{"model": "llama-2-7b", "gpus": 8, "gpu": "h100-sxm-80gb", "global_batch": 32, "seq": 4096,
+                      "profile": "torch", **flags})
     res = search(Request(o, top=2))
     f = res.feasible
     assert f.size > 0
@@ -312,7 +314,7 @@ def test_cli_json_contract():
                          "--global-batch", "32", "--seq", "2048", "--pp", "1,2", "--top", "2", "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert data["schema_version"] == "1.1" and data["kind"] == "plan"
+    assert data["schema_version"] == "1.2" and data["kind"] == "plan"
     assert set(data) == {"schema_version", "kind", "inputs", "search", "plans", "pareto", "advice"}
     assert set(data["search"]) >= {"considered", "rejected", "evaluated", "feasible", "wall_seconds"}
     assert data["inputs"]["bounds"]["pp"] == [1, 2] and data["inputs"]["bounds"]["tp"] == "auto"
@@ -408,3 +410,28 @@ def test_kept_logits_rule_out_pipelining():
     for i in range(res.feasible.size):
         run = build_run(config_options(res, int(res.feasible.pair[i]), int(res.feasible.combo[i])))
         assert run.pp == 1 and run.training.keep_logits == "compute"
+
+
+def test_all_to_all_context_parallelism_rules_out_cp_beyond_the_heads():
+    """--cp-comm a2a shards heads across the cp ranks (TE AttnFuncWithCPAndQKVOA2A): Llama-3-8B has 32 query and 8
+    KV heads, 16 and 4 per rank at tp 2, so cp 8 is rejected by `cp_a2a_heads` (one layout of tp 2 x cp
+    {1, 2, 4, 8} on 16 GPUs, one micro-batch, one categorical combo) while p2p keeps it; every returned plan
+    re-resolves through `estimate`'s rules with the exchange it was planned for."""
+    def plan(cp_comm: str):
+        o = RunOptions(model="llama-3-8b", gpus=16, gpu="h100-sxm-80gb", profile="megatron", global_batch=32,
+                       seq=8192, cp_comm=cp_comm, loss="fused")
+        b = parse_bounds(tp="2", pp="1", vpp="1", cp="1,2,4,8", micro_batch="1", zero="1", recompute="none",
+                         sp="on", offload="none")
+        return search(Request(o, bounds=b, top=10))
+
+    a2a, p2p = plan("a2a"), plan("p2p")
+    assert a2a.rejected["cp_a2a_heads"] == 1 and p2p.rejected["cp_a2a_heads"] == 0
+    def cps(res):
+        return {int(res.space.cp[int(i)]) for i in res.feasible.pair}
+
+    assert cps(p2p) - cps(a2a) == {8}
+    for i in range(a2a.feasible.size):
+        run = build_run(config_options(a2a, int(a2a.feasible.pair[i]), int(a2a.feasible.combo[i])))
+        assert run.cp_comm == "a2a" and run.cp in (1, 2, 4)
+    with pytest.raises(InputError, match="--cp 8 with --cp-comm a2a must divide"):
+        build_run(RunOptions(model="llama-3-8b", gpus=16, tp=2, cp=8, profile="megatron", cp_comm="a2a"))

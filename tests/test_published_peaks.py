@@ -48,12 +48,16 @@ B200 = HardwareSpec(name="b200", memory_bytes=192 * 10**9)  # capacity does not 
 H100_96 = HardwareSpec(name="h100-96gb-hbm2e", memory_bytes=96 * 10**9)  # Grand Teton H100, 96 GB HBM2e
 
 
-def megatron_alloc_gib(model: ModelSpec, tp: int, pp: int, dp: int, mbc: int) -> float:
-    """run_pretrain_llama3.sh: seq 4096, micro-batch 1, bf16, --accumulate-allreduce-grads-in-fp32,
-    --use-distributed-optimizer, --sequence-parallel, flash attention, TransformerEngine, `--recompute-num-layers 0`
-    (no layer recomputed), num_microbatches = mbc."""
-    t = TrainingSpec(seq=4096, micro_batch=1, grad_accum=mbc, precision="bf16", recompute="none")
-    p = ParallelSpec(gpus=tp * pp * dp, tp=tp, pp=pp, zero=1, sp=True)
+def megatron_alloc_gib(model: ModelSpec, tp: int, pp: int, dp: int, mbc: int, cp: int = 1, seq: int = 4096,
+                       loss: str = "fused") -> float:
+    """run_pretrain_llama3.sh: seq 4096 (SEQ_LEN for the CP rows), micro-batch 1, bf16,
+    --accumulate-allreduce-grads-in-fp32, --use-distributed-optimizer, --sequence-parallel, flash attention,
+    TransformerEngine, `--recompute-num-layers 0` (no layer recomputed), num_microbatches = mbc; `_cef` =
+    --cross-entropy-loss-fusion --cross-entropy-fusion-impl te (SimuMax docs/strategy.md): --loss fused; CP with
+    --cp-comm-type a2a (the launcher's CP_COMM_TYPE default)."""
+    t = TrainingSpec(seq=seq, micro_batch=1, grad_accum=mbc, precision="bf16", recompute="none", loss=loss)
+    p = ParallelSpec(gpus=tp * pp * dp * cp, tp=tp, pp=pp, cp=cp, zero=1, sp=True,
+                     cp_comm="a2a" if cp > 1 else "p2p")
     mem = estimate(resolve(model, t, p, B200, "megatron"), advice=False).memory
     return max(s.allocated_peak_bytes for s in mem.stages) / GIB
 
@@ -86,6 +90,21 @@ SIMUMAX = [
     ("simumax-llama3-405b-l4-tp2-pp1-dp4", 81.59, lambda: megatron_alloc_gib(llama3_405b(4), 2, 1, 4, 4)),
     ("simumax-llama3-405b-l4-tp4-pp1-dp2", 52.89, lambda: megatron_alloc_gib(llama3_405b(4), 4, 1, 2, 4)),
     ("simumax-llama3-405b-l4-tp8-pp1-dp1", 38.57, lambda: megatron_alloc_gib(llama3_405b(4), 8, 1, 1, 4)),
+    # the long-context rows: context parallelism with --cp-comm-type a2a, dp 1, seq 32K / 128K
+    ("simumax-llama3-70b-l12-tp2-cp4-32k", 68.43,
+     lambda: megatron_alloc_gib(llama3_70b(12), 2, 1, 1, 4, cp=4, seq=32768)),
+    ("simumax-llama3-70b-l12-tp1-cp8-32k", 104.51,
+     lambda: megatron_alloc_gib(llama3_70b(12), 1, 1, 1, 4, cp=8, seq=32768)),
+    ("simumax-llama3-405b-l4-tp2-cp4-32k", 87.03,
+     lambda: megatron_alloc_gib(llama3_405b(4), 2, 1, 1, 4, cp=4, seq=32768)),
+    ("simumax-llama3-405b-l4-tp1-cp8-32k", 139.22,
+     lambda: megatron_alloc_gib(llama3_405b(4), 1, 1, 1, 4, cp=8, seq=32768)),
+    ("simumax-llama3-70b-l12-tp2-cp4-128k", 112.67,
+     lambda: megatron_alloc_gib(llama3_70b(12), 2, 1, 1, 4, cp=4, seq=131072)),
+    ("simumax-llama3-70b-l12-tp1-cp8-128k", 147.99,
+     lambda: megatron_alloc_gib(llama3_70b(12), 1, 1, 1, 4, cp=8, seq=131072)),
+    ("simumax-llama3-405b-l4-tp2-cp4-128k", 118.13,
+     lambda: megatron_alloc_gib(llama3_405b(4), 2, 1, 1, 4, cp=4, seq=131072)),
 ]
 
 _TP_2D = ("the FSDP x TP case is 10.5% low; the same run with AsyncTP measured 4.3 GiB less (67.6 GiB), so the "
@@ -136,3 +155,38 @@ def test_te_dummy_wgrads_are_needed_for_the_megatron_cases():
     predicted = megatron_alloc_gib(llama3_70b(12), 1, 2, 4, 4)
     assert abs((predicted - 66.55) / 66.55) <= TOLERANCE
     assert abs(predicted - 66.55) < abs(predicted - dummy / GIB - 66.55)
+
+
+def test_megatron_head_backward_and_the_long_context_terms():
+    """What moved the Megatron cases: the LM head's backward after the loss gradient, and, at long context, the
+    run's fused cross-entropy and all-to-all CP. 405B, 4 layers, tp 2 (vocab shard 64,128 x hidden 16,384, 4,096
+    tokens): the head's backward allocates gradient-accumulation fusion's dummy weight gradient, 2 x 64,128 x
+    16,384 = 2,101,346,304 B, which no other moment of the step holds beside all the saved activations; without it
+    the case would be 2.5% low. 70B at 128K with tp 2 x cp 4 (32,768 tokens per rank): the unfused loss's fp32
+    softmax, 4 x 32,768 x 64,128 B = 7.8 GiB where the fused kernel keeps the 3.9 GiB of bf16 logits, would put
+    the prediction 5% high; all-to-all CP saves each layer's pre-exchange output once more, 2 x 32,768 x 4,096 B
+    x 12 layers = 3 GiB (with p2p's saved set the prediction is 2.7% low)."""
+    from memcalc.cost.activations import _megatron_head_backward
+
+    t = TrainingSpec(seq=4096, micro_batch=1, grad_accum=4, precision="bf16", loss="fused")
+    r = resolve(llama3_405b(4), t, ParallelSpec(gpus=8, tp=2, zero=1, sp=True), B200, "megatron")
+    tok, h, v_t = 4096, 16384, 64128
+    dummy = 2 * v_t * h
+    assert dummy == 2_101_346_304
+    # logits gradient (the saved logits, overwritten) + input gradient, re-gathered input and reduce-scattered
+    # gradient under SP + the dummy, less what the loss frees (the logits and 3 x tp fp32 statistics per token)
+    assert _megatron_head_backward(r) == (2 * tok * v_t + 2 * tok * h * 2 + 2 * (tok // 2) * h + dummy
+                                          - (2 * tok * v_t + 12 * tok * 2))
+    with_dummy = megatron_alloc_gib(llama3_405b(4), 2, 1, 4, 4)
+    assert abs(with_dummy - 81.59) / 81.59 <= 0.005
+    assert (with_dummy - dummy / GIB - 81.59) / 81.59 < -0.02
+
+    full = megatron_alloc_gib(llama3_70b(12), 2, 1, 1, 4, cp=4, seq=131072, loss="full")
+    fused = megatron_alloc_gib(llama3_70b(12), 2, 1, 1, 4, cp=4, seq=131072)
+    assert (full - 112.67) / 112.67 > 0.04 and abs(fused - 112.67) / 112.67 <= 0.005
+    pre_a2a = 2 * 32768 * (64 // 2) * 128 * 12
+    assert pre_a2a == 3 * GIB
+    t = TrainingSpec(seq=131072, micro_batch=1, grad_accum=4, precision="bf16", loss="fused")
+    p2p = resolve(llama3_70b(12), t, ParallelSpec(gpus=8, tp=2, cp=4, zero=1, sp=True), B200, "megatron")
+    p2p_gib = max(s.allocated_peak_bytes for s in estimate(p2p, advice=False).memory.stages) / GIB
+    assert (p2p_gib - 112.67) / 112.67 < -0.02

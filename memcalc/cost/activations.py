@@ -214,6 +214,13 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
             out["attn_lse"] = 4 * tok * heads
     # attention output = o-projection input (Korthikanti: 2sbh); flash's saved `out` is this same tensor
     out["attn_output"] = c * tok * heads * d
+    if run.cp_comm == "a2a" and recompute != "selective":
+        # all-to-all CP (TE AttnFuncWithCPAndQKVOA2A): the kernel's output is head-sharded over the full sequence
+        # and goes through a second all-to-all back to sequence sharding, so the o projection's input is a new
+        # tensor; TE >= 2.8 saves the pre-exchange output for the backward as well (the same bytes once more).
+        # Under selective recompute it is inside the checkpointed core. SimuMax models the same term
+        # (docs/b200 release v1.2 notes, TE 2.11).
+        out["attn_output_pre_a2a"] = where(run.cp > 1, c * tok * heads * d, 0)
     if fused_qkv and not eager:
         # lit-gpt's q and k come out of torch.cat head-major, so the flash output is head-major too and
         # `y.transpose(1, 2).reshape(B, T, C)` copies it: the o projection saves the copy (when it saves its input)
@@ -400,10 +407,27 @@ def _head_live(run: Run) -> Num:
     h = run.model.hidden
     head_in = c * tok_in * h
     copies = 0
-    if run.training.loss != "full":
+    if run.training.loss not in ("full", "fused"):
         copies = head_in if _head_saves_input(run) else c * run.micro_batch * _loss_chunking(run)[1] * h
         copies = where(run.micro_batch > 1, copies, 0)
     return last_stage_terms(run)["final_norm"] + head_in + copies
+
+
+def _megatron_head_backward(run: Run) -> Num:
+    """Megatron's LM-head backward (megatron/core/tensor_parallel/layers.py,
+    LinearWithGradAccumulationAndAsyncCommunication.backward), on top of everything held at the loss gradient
+    less what the loss frees: the logits' gradient in the compute dtype (under --loss fused the saved logits
+    themselves, overwritten), the input gradient of all the micro-batch's tokens (c tok h) and, under SP, the
+    re-gathered input for the weight gradient (c tok h) and the reduce-scattered gradient (c tok h / t). With
+    gradient-accumulation fusion (Megatron's default) the weight gradient goes straight into the fp32 main_grad
+    and the function returns a dummy weight-shaped gradient in the compute dtype (`torch.empty(main_grad.shape)`,
+    so that DDP's hook runs on the main thread): c V/t h, freed by the hook. TE's layers cache theirs instead
+    (buffers.py `te_dummy_wgrads`)."""
+    c, tok, tok_sp, _ = _shape(run)
+    h = run.model.hidden
+    dgrad = c * tok * h + (c * tok * h + c * tok_sp * h if run.sp else 0)
+    dummy = c * head_params(run.model, run.profile, run.tp) if _head_trains(run) else 0
+    return c * _logit_elems(run) * _gathered_replicas(run) + dgrad + dummy - _loss_freed(run)
 
 
 def _head_saves_input(run: Run) -> bool:
@@ -483,6 +507,13 @@ def _loss_saved(run: Run) -> dict[str, Num]:
         _, tok, _, _ = _shape(run)
         return {"loss_logits_fp32": 8 * tok * r, "loss_logits_compute_dtype": c * _logit_elems(run) * r,
                 "loop_kept_logits": 0}
+    if run.training.loss == "fused":
+        # TransformerEngine's parallel_cross_entropy (Megatron-LM --cross-entropy-fusion-impl te): saves the
+        # compute-dtype logits themselves and, per token, three fp32 statistics (max, sum of exp, target logit)
+        # gathered from the tp ranks (3 x tp fp32 per token); backward overwrites the logits with their gradient
+        _, tok, _, _ = _shape(run)
+        return {"loss_logits_fp32": 12 * tok * run.tp * r, "loss_logits_compute_dtype": c * _logit_elems(run) * r,
+                "loop_kept_logits": 0}
     return {"loss_logits_fp32": 4 * _logit_elems(run) * r, "loss_logits_compute_dtype": 0,
             "loop_kept_logits": loss_kept_bytes(run)}
 
@@ -519,6 +550,12 @@ def loss_transients(run: Run) -> tuple[Num, Num]:
     if loss == "chunked-eager":
         g = _loss_chunk_elems(run) * r
         return c * n + (0 if c == 4 else 4 * g), 8 * g
+    if loss == "fused":
+        # forward: the per-token fp32 loss and, with tp > 1, this rank's statistics beside the gathered ones;
+        # backward: the gradient is written into the saved logits, so the next allocation is the LM head's input
+        # gradient (all tokens of the micro-batch, before the SP reduce-scatter) while they are still live
+        _, tok, _, _ = _shape(run)
+        return (4 * tok + where(run.tp > 1, 12 * tok, 0)) * r, c * tok * run.model.hidden * r
     if loss == "lit-gpt":
         g = _loss_chunk_elems(run) * r
         up = _litgpt_upcasts(run)
@@ -581,13 +618,22 @@ def every_stage_terms(run: Run, stage: Num) -> dict[str, Num]:
 
 
 def cp_ring_transients(run: Run) -> tuple[Num, Num]:
-    """(forward, backward) ring-attention buffers with context parallelism: the K/V block in flight besides the
-    local one (double-buffered send/receive) in forward, and K/V plus their gradients in backward (TE
-    AttnFuncWithCPAndKVP2P; torch context_parallel ring attention). Transient: nothing extra is saved."""
+    """(forward, backward) context-parallel attention buffers.
+
+    p2p: the K/V block in flight besides the local one (double-buffered send/receive) in forward, and K/V plus
+    their gradients in backward (TE AttnFuncWithCPAndKVP2P; torch context_parallel ring attention). Transient:
+    nothing extra is saved.
+    a2a (TE AttnFuncWithCPAndQKVOA2A): each of Q, K, V is laid out for the exchange (a send copy), received into a
+    new buffer and reordered into the head-sharded tensor the kernel reads (saved, counted as q, k, v), while the
+    projection's sequence-sharded Q, K, V are still referenced by the caller: three Q+K+V-sized buffers besides
+    the saved ones; backward sends dQ, dK, dV back the same way."""
     m = run.model
     c, tok, _, _ = _shape(run)
-    kv_local = 2 * c * tok * (m.kv_heads // run.tp) * m.head_dim
     has = run.cp > 1
+    if run.cp_comm == "a2a":
+        qkv = c * tok * (m.heads + 2 * m.kv_heads) // run.tp * m.head_dim
+        return where(has, 3 * qkv, 0), where(has, 3 * qkv, 0)
+    kv_local = 2 * c * tok * (m.kv_heads // run.tp) * m.head_dim
     return where(has, 2 * kv_local, 0), where(has, 4 * kv_local, 0)
 
 
@@ -995,8 +1041,10 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     kept = where(last, loss_kept_bytes(run), 0)
     head_freed = last_saved - kept  # what the loss and LM head hand back before the layers' backward
     core_tr = where(core_tr > 0, core_tr + core_pair - head_freed, 0)
-    if tr.loss != "full" and _head_trains(run):
+    if tr.loss not in ("full", "fused") and _head_trains(run):
         head_bwd_tr = imax(head_bwd_tr, where(last, _chunked_head_wgrad_transient(run), 0))
+    if run.profile == "megatron":
+        head_bwd_tr = imax(head_bwd_tr, where(last, _megatron_head_backward(run), 0))
     bwd_tr = imax(imax(loss_bwd, core_tr), head_bwd_tr)
     layer_tr = layer_backward_transient(run)
     if mode in ("full", "op"):

@@ -16,7 +16,7 @@ from memcalc.cost.params import stage_layers, total_params, zero1_worst_dp_index
 from memcalc.cost.timeline import CATEGORIES, StageMemory, stage_memory
 from memcalc.specs import Run
 
-SCHEMA_VERSION = "1.8"
+SCHEMA_VERSION = "1.9"
 
 
 class _Out(BaseModel):
@@ -174,6 +174,7 @@ def resolved_inputs(run: Run) -> dict[str, Any]:
             "order": ",".join(run.order),
             "tp_overlap": run.tp_overlap,
             "dp_mode": run.dp_mode,
+            "cp_comm": run.cp_comm,
             "shard_degree": run.shard_degree,
         },
         "hardware": run.hardware.model_dump(),

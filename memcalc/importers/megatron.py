@@ -58,7 +58,7 @@ _IRRELEVANT_PREFIXES = (
     "--no-bias-", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
     "--use-cpu-initialization", "--use-mcore-models", "--use-legacy-models", "--reset-", "--eod-mask-loss",
     "--micro-batch-size-warmup", "--rampup-batch-size", "--use-flash-attn", "--transformer-impl",
-    "--cross-entropy-loss-fusion", "--bias-", "--masked-softmax-fusion", "--no-create-attention-mask",
+    "--bias-", "--masked-softmax-fusion", "--no-create-attention-mask",
     "--calculate-per-token-loss", "--untie-",
 )
 
@@ -78,7 +78,8 @@ _HANDLED = {
     "--normalization", "--position-embedding-type", "--use-rotary-position-embeddings", "--no-position-embedding",
     "--max-position-embeddings", "--disable-bias-linear", "--add-bias-linear", "--add-qkv-bias",
     "--attention-dropout", "--hidden-dropout", "--optimizer", "--fp8-format", "--tp-comm-overlap",
-    "--accumulate-allreduce-grads-in-fp32", "--kv-channels",
+    "--accumulate-allreduce-grads-in-fp32", "--kv-channels", "--cp-comm-type", "--cross-entropy-loss-fusion",
+    "--cross-entropy-fusion-impl",
 }
 _RECORD = {"--make-vocab-size-divisible-by", "--distribute-saved-activations", "--overlap-grad-reduce",
            "--overlap-param-gather", "--bf16-reduction", "--use-precision-aware-optimizer", "--main-grads-dtype",
@@ -291,6 +292,22 @@ def import_megatron(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
         imp.set("optimizer", o_map[opt.lower()])
         if opt.lower() == "sgd":
             imp.notes.append("Megatron's sgd uses --sgd-momentum (default 0.9): modelled as sgd-momentum")
+
+    # context parallelism's attention exchange (default p2p) and the cross-entropy kernel
+    cpc = text("--cp-comm-type")
+    if cpc is not None:
+        if cpc.lower() in ("p2p", "a2a"):
+            imp.set("cp_comm", cpc.lower())
+        else:
+            imp.set("cp_comm", "p2p")
+            imp.notes.append(f"--cp-comm-type {cpc}: modelled as p2p (memcalc models p2p and a2a)")
+    if args.get("--cross-entropy-loss-fusion"):
+        impl = (text("--cross-entropy-fusion-impl") or "native").lower()
+        if impl == "te":  # TransformerEngine's parallel_cross_entropy: bf16 logits, gradient in place
+            imp.set("loss", "fused")
+        else:  # megatron/core/fusions/fused_cross_entropy.py upcasts and keeps the fp32 softmax, as unfused
+            imp.notes.append(f"--cross-entropy-loss-fusion with --cross-entropy-fusion-impl {impl}: the fp32 "
+                             "softmax is kept as without fusion (--loss full)")
 
     # dropout: memcalc has one probability; Megatron's default is 0.1 for both
     ad, hd = fnum("--attention-dropout"), fnum("--hidden-dropout")
