@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -424,10 +425,10 @@ def resolve(
         if profile != "megatron":
             raise InputError(f"--cp-comm a2a is TransformerEngine's all-to-all context parallelism (Megatron-LM "
                              f"--cp-comm-type a2a); with --profile {profile} valid: p2p")
-        if (m.heads // tp) % cp or (m.kv_heads // tp) % cp:
-            ok = [d for d in range(1, m.kv_heads // tp + 1) if (m.kv_heads // tp) % d == 0 and (m.heads // tp) % d == 0]
+        shared = math.gcd(m.heads // tp, m.kv_heads // tp)  # cp must divide both head counts per TP rank
+        if shared % cp:
             raise InputError(f"--cp {cp} with --cp-comm a2a must divide the attention heads per TP rank "
-                             f"({m.heads // tp} query, {m.kv_heads // tp} KV); valid: {', '.join(map(str, ok))}")
+                             f"({m.heads // tp} query, {m.kv_heads // tp} KV); valid: {_divisors_text(shared)}")
     if ep > 1:
         if m.moe is None:
             raise InputError(f"--ep {ep} needs a mixture-of-experts model; {m.name} is dense")

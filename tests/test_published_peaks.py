@@ -161,8 +161,8 @@ def test_megatron_head_backward_and_the_long_context_terms():
     """What moved the Megatron cases: the LM head's backward after the loss gradient, and, at long context, the
     run's fused cross-entropy and all-to-all CP. 405B, 4 layers, tp 2 (vocab shard 64,128 x hidden 16,384, 4,096
     tokens): the head's backward allocates gradient-accumulation fusion's dummy weight gradient, 2 x 64,128 x
-    16,384 = 2,101,346,304 B, which no other moment of the step holds beside all the saved activations; without it
-    the case would be 2.5% low. 70B at 128K with tp 2 x cp 4 (32,768 tokens per rank): the unfused loss's fp32
+    16,384 = 2,101,346,304 B, which no other moment of the step holds beside all the saved activations; less that
+    copy, the case would be more than 2% low. 70B at 128K with tp 2 x cp 4 (32,768 tokens per rank): the unfused loss's fp32
     softmax, 4 x 32,768 x 64,128 B = 7.8 GiB where the fused kernel keeps the 3.9 GiB of bf16 logits, would put
     the prediction 5% high; all-to-all CP saves each layer's pre-exchange output once more, 2 x 32,768 x 4,096 B
     x 12 layers = 3 GiB (with p2p's saved set the prediction is 2.7% low)."""

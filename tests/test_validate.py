@@ -201,6 +201,9 @@ def test_unsupported_is_one_line_exit_2():
     assert code == 2 and "context parallel" in err
     with pytest.raises(Unsupported):
         _v(precision="fp32", gpus=2, offload="optimizer", zero=1)
+    # a loss the harness does not build is refused, not run as another one
+    code, out, err = cli("validate", *_flags(TINY), "--device", "cpu", "--loss", "fused")
+    assert code == 2 and "--loss fused is TransformerEngine's" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_json_and_exit_status():

@@ -218,8 +218,9 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         # all-to-all CP (TE AttnFuncWithCPAndQKVOA2A): the kernel's output is head-sharded over the full sequence
         # and goes through a second all-to-all back to sequence sharding, so the o projection's input is a new
         # tensor; TE >= 2.8 saves the pre-exchange output for the backward as well (the same bytes once more).
-        # Under selective recompute it is inside the checkpointed core. SimuMax models the same term
-        # (docs/b200 release v1.2 notes, TE 2.11).
+        # Under selective recompute it is inside the checkpointed core. Source: SimuMax's model of TE's a2a path
+        # (simumax/core/config.py `te_cp_a2a_save_pre_posta2a_min_version` = 2.8.0, core/transformer/
+        # dense_module.py CoreAttention, e691807), which its B200 measurements bear out; TE's code was not read.
         out["attn_output_pre_a2a"] = where(run.cp > 1, c * tok * heads * d, 0)
     if fused_qkv and not eager:
         # lit-gpt's q and k come out of torch.cat head-major, so the flash output is head-major too and
@@ -427,7 +428,7 @@ def _megatron_head_backward(run: Run) -> Num:
     h = run.model.hidden
     dgrad = c * tok * h + (c * tok * h + c * tok_sp * h if run.sp else 0)
     dummy = c * head_params(run.model, run.profile, run.tp) if _head_trains(run) else 0
-    return c * _logit_elems(run) * _gathered_replicas(run) + dgrad + dummy - _loss_freed(run)
+    return c * _logit_elems(run) + dgrad + dummy - _loss_freed(run)
 
 
 def _head_saves_input(run: Run) -> bool:

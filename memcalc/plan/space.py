@@ -256,7 +256,7 @@ def enumerate_space(
         "schedule": sched_bad,
         "keep_logits_pp": (PP > 1) if keep_logits != "none" else np.zeros(G.size, dtype=bool),
         "cp_seq": seq % CP != 0,
-        "cp_a2a_heads": (((heads // TP) % CP != 0) | ((kv_heads // TP) % CP != 0)) if cp_comm == "a2a"
+        "cp_a2a_heads": (np.gcd(heads // TP, kv_heads // TP) % CP != 0) if cp_comm == "a2a"
         else np.zeros(G.size, dtype=bool),
         "ep": (ep > 1) & ((DP * CP) % ep != 0),
     }

@@ -61,6 +61,9 @@ def check_supported(run: Run, world: str, device: str) -> None:
     if t.loss == "lit-gpt" and run.recipe.compute_copy:
         raise Unsupported("--loss lit-gpt runs in the harness in pure compute-dtype training (--no-master-weights "
                           "or fp32): CPU autocast does not upcast the cross-entropy as CUDA's does")
+    if t.loss == "fused":
+        raise Unsupported("--loss fused is TransformerEngine's Triton cross-entropy, which the harness does not "
+                          "build; valid here: full, chunked, chunked-eager, lit-gpt")
     if t.loss != "full" and (run.pp > 1 or run.tp > 1):
         raise Unsupported(f"--loss {t.loss} runs in the harness without pipeline or tensor parallelism (pp = tp = 1)")
     if m.params_override is not None:
