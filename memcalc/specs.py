@@ -387,6 +387,12 @@ def _recipe(profile: str, t: TrainingSpec) -> Recipe:
     )
 
 
+def a2a_cp_limit(model: ModelSpec, tp: int) -> int:
+    """All-to-all CP shards the heads of a TP rank over the cp ranks: cp must divide this (the gcd of the query
+    and KV heads per TP rank; the planner's `cp_a2a_heads` rule is its array form)."""
+    return math.gcd(model.heads // tp, model.kv_heads // tp)
+
+
 def _divisors_text(n: int, limit: int = 12) -> str:
     ds = [d for d in range(1, n + 1) if n % d == 0]
     return ", ".join(map(str, ds[:limit])) + (", ..." if len(ds) > limit else "")
@@ -425,7 +431,7 @@ def resolve(
         if profile != "megatron":
             raise InputError(f"--cp-comm a2a is TransformerEngine's all-to-all context parallelism (Megatron-LM "
                              f"--cp-comm-type a2a); with --profile {profile} valid: p2p")
-        shared = math.gcd(m.heads // tp, m.kv_heads // tp)  # cp must divide both head counts per TP rank
+        shared = a2a_cp_limit(m, tp)
         if shared % cp:
             raise InputError(f"--cp {cp} with --cp-comm a2a must divide the attention heads per TP rank "
                              f"({m.heads // tp} query, {m.kv_heads // tp} KV); valid: {_divisors_text(shared)}")

@@ -22,6 +22,10 @@ CASES = [
      "--micro-batch", "2", "--gpu", "a100-80gb"),
     # a loop that keeps the fp32 logits its model returns (torchtune 0.1) through backward, GPT-2's 50257-wide
     (*GPT2_LOOP, "--keep-logits", "fp32"),
+    # all-to-all CP at tp 4 x cp 2 (Llama 3 70B's 8 KV heads, 2 per TP rank): tp 8 would leave 1 KV head per rank,
+    # which a2a cannot shard over cp 2, so it must not be suggested
+    ("--model", "llama-3-70b", "--profile", "megatron", "--gpus", "64", "--tp", "4", "--cp", "2", "--pp", "4",
+     "--cp-comm", "a2a", "--seq", "32768", "--zero", "1", "--loss", "fused", "--gpu", "b200"),
 ]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from memcalc.specs import QUANTIZED, Run, _recipe
+from memcalc.specs import QUANTIZED, Run, _recipe, a2a_cp_limit
 
 Change = tuple[str, str, Callable[[Run], Run]]
 
@@ -59,7 +59,9 @@ def _candidates(run: Run) -> Iterator[Change]:
                lambda r: r.replace(training=r.training.model_copy(update={"recompute": "selective"})))
     m = run.model
     tp2 = run.tp * 2
-    if (m.heads % tp2 == 0 and m.kv_heads % tp2 == 0 and tp2 <= run.hardware.gpus_per_node and run.dp % 2 == 0):
+    a2a_ok = run.cp_comm != "a2a" or (m.heads % tp2 == 0 and a2a_cp_limit(m, tp2) % run.cp == 0)
+    if (m.heads % tp2 == 0 and m.kv_heads % tp2 == 0 and tp2 <= run.hardware.gpus_per_node and run.dp % 2 == 0
+            and a2a_ok):
         # with SP where the profile has it (megatron turns it on with TP by itself; torch needs --sp)
         sp = run.profile != "deepspeed" or run.sp
         yield (f"tensor parallel {tp2}" + (" with SP" if sp else ""),
