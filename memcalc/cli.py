@@ -161,9 +161,10 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "order": (str, "tp,cp,pp,dp", _opt("--order", help="Rank placement, innermost first.", panel=_P)),
     "dp_mode": (str, "collective", _opt("--dp-mode", help="collective (DDP/ZeRO) | ps (parameter server) | "
                 "dataparallel (torch.nn.DataParallel).", panel=_P)),
-    "cp_comm": (str, "p2p", _opt("--cp-comm", help="Context parallelism's attention exchange: p2p (ring of K/V "
+    "cp_comm": (str, None, _opt("--cp-comm", help="Context parallelism's attention exchange: p2p (ring of K/V "
                 "blocks: TE, torch context_parallel) | a2a (all-to-all of Q, K, V and the output, Ulysses-style: "
-                "Megatron-LM --cp-comm-type a2a; needs cp | heads per TP rank).", panel=_P)),
+                "Megatron-LM --cp-comm-type a2a, DeepSpeed-Ulysses; needs cp | heads per TP rank). Default: a2a "
+                "with --profile deepspeed, else p2p.", panel=_P)),
     "tp_overlap": (bool, False, _opt("--tp-overlap/--no-tp-overlap", help="TP communication overlapped with "
                    "compute.", panel=_P)),
     "profile": (str, "torch", _opt("--profile", help="Framework whose buffers and dtypes to model: torch | "

@@ -151,7 +151,7 @@ class RunOptions:
     base_batch: int | None = None
     base_warmup_steps: int | None = None
     dp_mode: str = "collective"
-    cp_comm: str = "p2p"
+    cp_comm: str | None = None  # None: the profile's (specs.CP_COMM_DEFAULT)
     # framework buffer knobs (None: the framework default); names match TrainingSpec and DeepSpeed's config keys
     bucket_cap_mb: float | None = None
     gradient_as_bucket_view: bool | None = None

@@ -32,8 +32,11 @@ BaseDtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "nf4"]
 DpMode = Literal["collective", "ps", "dataparallel"]
 # context parallelism's attention exchange: p2p (ring: K/V blocks passed around the cp ranks; TE
 # AttnFuncWithCPAndKVP2P, torch context_parallel) or a2a (all-to-all of Q, K, V and the output between sequence
-# and head sharding, Ulysses-style: TE AttnFuncWithCPAndQKVOA2A, Megatron-LM --cp-comm-type a2a)
+# and head sharding, Ulysses-style: TE AttnFuncWithCPAndQKVOA2A, Megatron-LM --cp-comm-type a2a; DeepSpeed-Ulysses
+# `DistributedAttention`, the only sequence parallelism DeepSpeed has; the same exchange over FSDP/DDP in torch)
 CpComm = Literal["p2p", "a2a"]
+# the exchange a profile uses when --cp-comm is not given (DeepSpeed has no ring attention)
+CP_COMM_DEFAULT: dict[str, str] = {"torch": "p2p", "megatron": "p2p", "deepspeed": "a2a"}
 
 
 class _Frozen(BaseModel):
@@ -237,7 +240,7 @@ class ParallelSpec(_Frozen):
     order: str = "tp,cp,pp,dp"  # rank placement, innermost first (DESIGN section 5)
     tp_overlap: bool = False  # TP collectives overlapped with compute (e.g. TE userbuffers)
     dp_mode: DpMode = "collective"  # collective (DDP/ZeRO), ps (parameter server), dataparallel (torch DP)
-    cp_comm: CpComm = "p2p"
+    cp_comm: CpComm | None = None  # None: the profile's (CP_COMM_DEFAULT)
 
 
 class HardwareSpec(_Frozen):
@@ -427,10 +430,11 @@ def resolve(
         raise InputError("--vpp > 1 needs --pp > 1 (virtual stages interleave pipeline stages)")
     if t.seq % cp:
         raise InputError(f"--cp {cp} does not divide the sequence length {t.seq}")
-    if p.cp_comm == "a2a":
-        if profile != "megatron":
-            raise InputError(f"--cp-comm a2a is TransformerEngine's all-to-all context parallelism (Megatron-LM "
-                             f"--cp-comm-type a2a); with --profile {profile} valid: p2p")
+    cp_comm = p.cp_comm or CP_COMM_DEFAULT[profile]
+    if cp_comm == "p2p" and profile == "deepspeed" and cp > 1:
+        raise InputError("--cp-comm p2p: DeepSpeed's sequence parallelism is DeepSpeed-Ulysses (all-to-all, "
+                         "`sequence_parallel_size`), it has no ring attention; with --profile deepspeed valid: a2a")
+    if cp_comm == "a2a":
         shared = a2a_cp_limit(m, tp)
         if shared % cp:
             raise InputError(f"--cp {cp} with --cp-comm a2a must divide the attention heads per TP rank "
@@ -529,7 +533,7 @@ def resolve(
         order=order,
         tp_overlap=p.tp_overlap,
         dp_mode=p.dp_mode,
-        cp_comm=p.cp_comm,
+        cp_comm=cp_comm,
         micro_batch=mb,
         grad_accum=ga,
         global_batch=mb * ga * dp,

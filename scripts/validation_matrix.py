@@ -213,6 +213,16 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     add("loop keeps fp32 logits (torchtune 0.1), LoRA r=4 q,v + dropout, pure bf16, full recompute, grad-accum 2",
         dict(GQA, vocab=8192, seq=256, micro_batch=2, precision="bf16", master_weights=False, recompute="full",
              norm_impl="fp32", lora_rank=4, lora_targets="qv", lora_dropout=0.05, grad_accum=2, keep_logits="fp32"))
+    # all-to-all context parallelism (DeepSpeed-Ulysses' exchange, memcalc/validate/model.py _UlyssesExchange): each
+    # rank holds seq/cp tokens; Q, K, V go to head sharding and the output back, one all-to-all per tensor
+    U = dict(GQA, seq=512, cp_comm="a2a")
+    add("Ulysses cp 2 (all-to-all), DDP bf16 AMP, GQA, seq 512", dict(U, precision="bf16", gpus=2, cp=2))
+    add("Ulysses cp 2 x FSDP2 ZeRO-3 bf16, dp 2, seq 512", dict(U, precision="bf16", gpus=4, cp=2, zero=3))
+    add("Ulysses cp 2, full recompute, fp32, seq 512", dict(U, precision="fp32", gpus=2, cp=2, recompute="full"))
+    add("Ulysses cp 4, selective recompute, pure bf16, seq 512", dict(U, precision="bf16", master_weights=False,
+                                                                       gpus=4, cp=4, recompute="selective"))
+    add("fake Ulysses cp 4 x FSDP2 ZeRO-3 bf16, world 16", dict(U, precision="bf16", gpus=16, cp=4, zero=3),
+        world="fake")
     return c
 
 
@@ -382,7 +392,8 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "final norm, LM head, fp32 cross-entropy. Layouts: DDP, DDP + ZeroRedundancyOptimizer (ZeRO-1), FSDP2 "
            "fully_shard per block (ZeRO-2: reshard_after_forward=False; ZeRO-3: default) with "
            "MixedPrecisionPolicy(bf16, reduce fp32), DTensor TP (+SequenceParallel), FSDP2 x TP, "
-           "torch.distributed.pipelining GPipe / 1F1B; AMP autocast, pure bf16, bf16 params with an fp32 master "
+           "torch.distributed.pipelining GPipe / 1F1B, all-to-all context parallelism (DeepSpeed-Ulysses' "
+           "exchange of Q, K, V and the output with gloo's all_to_all_single, over DDP or FSDP2 on dp x cp); AMP autocast, pure bf16, bf16 params with an fp32 master "
            "copy; AdamW / Adam / SGD; non-reentrant checkpointing per block (full) or around the attention core "
            "(selective); block-by-block activation offloading; LoRA adapters on bf16 or NF4 base linears (packed "
            "4-bit codes and absmax as QLoRA stores them, dequantized around each matmul with bitsandbytes' or "

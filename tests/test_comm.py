@@ -329,6 +329,30 @@ def test_context_parallel_ring_exchange():
     assert pick(comm.collectives(r), "all-reduce", "dp").group_size == 2 * cp
 
 
+def test_ulysses_all_to_all_one_call_per_tensor():
+    """DeepSpeed-Ulysses `DistributedAttention` (the deepspeed profile's CP; --cp-comm a2a under torch): Q, K, V
+    and the output cross one call each, forward and backward; TE's a2a (megatron) counts one call of Q+K+V+O per
+    layer each way. Same bytes either way: per micro-batch and layer, bf16, 1024 local tokens,
+    Q = O = 1024 x 16 x 64 x 2 = 2,097,152 B, K = V = 1024 x 4 x 64 x 2 = 524,288 B."""
+    cp, s = 4, 4096
+    m = ModelSpec(name="gqa", hidden=1024, layers=4, heads=16, kv_heads=4, ffn=2816, vocab=1000)
+    ds = comm.collectives(make(m, profile="deepspeed", cp=cp, dp=2, zero=3, seq=s, grad_accum=2))
+    qo, kv = pick(ds, "all-to-all", "cp", "(Q, O)"), pick(ds, "all-to-all", "cp", "(K, V)")
+    assert (qo.bytes_per_call, qo.calls_per_step) == (2_097_152, 2 * 2 * m.layers * 2)
+    assert (kv.bytes_per_call, kv.calls_per_step) == (524_288, 2 * 2 * m.layers * 2)
+    te = pick(comm.collectives(make(m, profile="megatron", cp=cp, dp=2, seq=s, grad_accum=2, cp_comm="a2a")),
+              "all-to-all", "cp")
+    assert te.calls_per_step == 2 * m.layers * 2 and te.bytes_per_call == 2 * 2_097_152 + 2 * 524_288
+    assert te.bytes_per_step == qo.bytes_per_step + kv.bytes_per_step
+    # torchtitan-style op-level SAC keeps matmul and attention outputs, not the exchange's: the re-run forward
+    # exchanges all four again (the harness measures 48 calls for 4 layers); the attention-core-only selective
+    # recompute re-runs none of them
+    op = comm.collectives(make(m, cp=cp, dp=2, zero=3, seq=s, cp_comm="a2a", recompute="op"))
+    assert pick(op, "all-to-all", "cp", "(Q, O)").calls_per_step == 2 * 3 * m.layers
+    sel = comm.collectives(make(m, cp=cp, dp=2, zero=3, seq=s, cp_comm="a2a", recompute="selective"))
+    assert pick(sel, "all-to-all", "cp", "(K, V)").calls_per_step == 2 * 2 * m.layers
+
+
 def test_expert_parallel_all_to_all():
     """GShard sec. 2 / Megatron MoEAlltoAllTokenDispatcher: dispatch + combine per MoE layer, fwd and bwd."""
     moe = ModelSpec(name="moe", hidden=512, layers=4, heads=8, ffn=1408, vocab=1000,

@@ -91,6 +91,23 @@ def test_deepspeed_imports_exactly_the_equivalent_flags(ds_file):
     assert imported.grad_accum == 8  # 256 / (4 * 8): DeepSpeed's own identity
 
 
+def test_deepspeed_sequence_parallel_size_is_ulysses(ds_file):
+    """`sequence_parallel_size` (deepspeed/runtime/config.py, DeepSpeed-Ulysses): --cp N with the all-to-all
+    exchange; the data-parallel degree is what is left, 16 / 4 = 4; a size that does not divide the heads is
+    refused as the flags are."""
+    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+           "sequence_parallel_size": 4}
+    run = build_run(RunOptions(model="llama-3.1-8b", gpus=16, seq=32768, deepspeed_config=ds_file(cfg)))
+    assert (run.cp, run.cp_comm, run.dp, run.profile) == (4, "a2a", 4, "deepspeed")
+    r = apply_imports(RunOptions(model="llama-3.1-8b", gpus=16, deepspeed_config=ds_file(cfg))).import_report
+    assert "--cp 4 --cp-comm a2a" in r.equivalent_flags and not unknown_keys(r)
+    with pytest.raises(InputError, match="valid: 1, 2, 4, 8"):
+        build_run(RunOptions(model="llama-3.1-8b", gpus=12, seq=32766,
+                             deepspeed_config=ds_file({**cfg, "sequence_parallel_size": 3})))
+    with pytest.raises(InputError, match="sequence_parallel_size = 0 must be at least 1"):
+        build_run(RunOptions(model="llama-3.1-8b", gpus=8, deepspeed_config=ds_file({"sequence_parallel_size": 0})))
+
+
 def test_deepspeed_report_records_buckets_and_lists_every_unknown_key(ds_file):
     o = apply_imports(RunOptions(model="llama-3.1-8b", gpus=8, deepspeed_config=ds_file(DS_ZERO3_OFFLOAD)))
     r = o.import_report

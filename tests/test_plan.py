@@ -100,9 +100,11 @@ def test_every_feasible_configuration_is_valid_and_fits(small):
 @pytest.mark.parametrize("flags", [dict(loss="chunked"), dict(loss="chunked-eager"), dict(loss="lit-gpt"),
                                    dict(keep_logits="fp32"), dict(offload_activations=True),
                                    dict(offload="optimizer"), dict(loss="fused"),
-                                   dict(profile="megatron", loss="fused", cp_comm="a2a")],
+                                   dict(profile="megatron", loss="fused", cp_comm="a2a"), dict(cp_comm="a2a"),
+                                   dict(profile="deepspeed")],
                          ids=["chunked", "chunked-eager", "lit-gpt", "keep-logits", "offload-activations",
-                              "offload-optimizer", "fused", "megatron-fused-a2a"])
+                              "offload-optimizer", "fused", "megatron-fused-a2a", "torch-ulysses",
+                              "deepspeed-ulysses"])
 def test_bulk_equals_estimate_for_losses_and_offloading(flags):
     """The losses' terms depend on the micro-batch (chunk copies, the head's weight-gradient moment, lit-gpt's kept
     logits) and offloading adds GPU <-> host copies to the step: for a sample of the bulk search's feasible rows,
@@ -112,7 +114,12 @@ def test_bulk_equals_estimate_for_losses_and_offloading(flags):
     res = search(Request(o, top=2))
     f = res.feasible
     assert f.size > 0
-    for i in np.random.default_rng(3).choice(f.size, size=min(10, f.size), replace=False):
+    pick = np.random.default_rng(3).choice(f.size, size=min(10, f.size), replace=False)
+    if flags.get("cp_comm") == "a2a" or flags.get("profile") == "deepspeed":  # and some all-to-all CP rows
+        with_cp = np.flatnonzero(res.space.cp[f.pair] > 1)
+        assert with_cp.size > 0
+        pick = np.r_[pick, with_cp[:: max(1, with_cp.size // 5)]]
+    for i in pick:
         run = build_run(config_options(res, int(f.pair[i]), int(f.combo[i])))
         assert peak_bytes(run) == int(f.peak[i])
         assert times(run)[0] == pytest.approx(float(f.step[i]), rel=1e-12)

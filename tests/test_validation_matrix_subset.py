@@ -52,6 +52,9 @@ ROWS = {
     87: "lit-gpt loss (logits kept to the next forward), lit-gpt layer, LoRA",
     90: "LoRA on a list of projections (k_proj, down_proj) + dropout, DDP",
     92: "the loop keeps fp32 logits to the next forward (torchtune 0.1), LoRA, grad-accum 2",
+    95: "Ulysses all-to-all CP, full recompute",
+    96: "Ulysses all-to-all CP over 4 ranks, selective recompute",
+    97: "fake world 16, Ulysses CP 4 x FSDP2 ZeRO-3",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

@@ -631,11 +631,45 @@ def cp_ring_transients(run: Run) -> tuple[Num, Num]:
     m = run.model
     c, tok, _, _ = _shape(run)
     has = run.cp > 1
+    if run.cp_comm == "a2a" and run.profile != "megatron":
+        fwd, bwd = _ulysses_transients(run)
+        return where(has, fwd, 0), where(has, bwd, 0)
     if run.cp_comm == "a2a":
         qkv = c * tok * (m.heads + 2 * m.kv_heads) // run.tp * m.head_dim
         return where(has, 3 * qkv, 0), where(has, 3 * qkv, 0)
     kv_local = 2 * c * tok * (m.kv_heads // run.tp) * m.head_dim
     return where(has, 2 * kv_local, 0), where(has, 4 * kv_local, 0)
+
+
+def _ulysses_transients(run: Run) -> tuple[Num, Num]:
+    """DeepSpeed-Ulysses' exchange (`deepspeed/sequence/layer.py` `single_all_to_all`; the harness runs the same op
+    sequence, memcalc/validate/model.py): Q, K and V cross one after the other, each as a permuted send copy, a
+    receive buffer and the permuted result; the caller keeps the sequence-sharded Q, K, V until the kernel runs.
+    Relative to the moments the timeline has (the forward's end, the start of the first layer's backward), what
+    the layer saves after the exchange (log-sum-exp, the outputs, the MLP) is not there yet in forward, and is
+    freed again by the time the output's gradient crosses back in backward:
+    forward, at V's exchange: Q, K, V pre-exchange + V's send and receive, less what the layer saves after V (under
+    full recompute nothing is saved: the exchanged Q, K, V and the norm's output are live instead);
+    backward, at the output gradient's exchange: its send, receive and result (3 x Q-sized), less the same."""
+    m = run.model
+    c, tok, _, _ = _shape(run)
+    q = c * tok * (m.heads // run.tp) * m.head_dim
+    kv = c * tok * (m.kv_heads // run.tp) * m.head_dim
+    mode = run.training.recompute
+
+    def saved_after_v(terms: dict[str, Num]) -> Num:
+        keys = list(terms)
+        total = 0
+        for k in keys[keys.index("v") + 1:] if "v" in terms else []:
+            total = total + terms[k]
+        return total
+
+    plain_after = saved_after_v(layer_terms(run, "none"))
+    if mode == "full":
+        fwd = (q + 2 * kv) * 2 + 2 * kv + c * tok * m.hidden
+    else:
+        fwd = imax(q + 2 * kv + 2 * kv - saved_after_v(layer_terms(run, mode)), 0)
+    return fwd, imax(3 * q - plain_after, 0)
 
 
 def in_flight(run: Run, stage: Num) -> Num:

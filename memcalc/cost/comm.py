@@ -39,7 +39,8 @@ Which collectives run, per profile (sources next to each builder below):
   the tied embedding / LM-head gradient all-reduce between the first and last stage (Megatron
   `_allreduce_word_embedding_grads`).
 - context parallel, a2a (--cp-comm a2a): all-to-all of Q, K, V and the attention output per layer in forward and of
-  their gradients in backward (TE AttnFuncWithCPAndQKVOA2A; Jacobs et al. 2023, DeepSpeed-Ulysses sec. 3).
+  their gradients in backward (TE AttnFuncWithCPAndQKVOA2A, one call per layer each way; Jacobs et al. 2023,
+  DeepSpeed-Ulysses sec. 3, `DistributedAttention`: one call per tensor).
 - context parallel: ring exchange of the local K/V chunk, (cp-1) steps per layer in forward, K/V and dK/dV in
   backward (Transformer Engine `AttnFuncWithCPAndKVP2P`).
 - expert parallel: token all-to-all dispatch + combine per MoE layer, forward and backward (Lepikhin et al. 2020
@@ -656,12 +657,26 @@ def _context_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
     rc = stage_recomputed_layers(run, stage) if run.training.recompute == "full" else 0 * layers
     tok = (run.seq // c) * run.micro_batch
     if run.cp_comm == "a2a":
-        # TE AttnFuncWithCPAndQKVOA2A (>= 2.8): forward all-to-alls Q, K, V (sequence -> head sharding) and the
-        # output back; backward the output gradient and dQ, dK, dV: Q+K+V+O bytes per layer each way
-        qkvo = tok * (2 * m.heads + 2 * m.kv_heads) // run.tp * m.head_dim * DTYPE_BYTES[act]
-        return [_term(run, "all-to-all", "cp", act, c, qkvo, (2 * layers + rc) * run.grad_accum, [(st["cp"], c)],
-                      kind="a2a", window="attn", per_mb=True,
-                      note="all-to-all attention: Q, K, V and the output per layer forward, their gradients backward")]
+        if run.training.recompute == "op":
+            # op-level SAC keeps matmul and attention outputs, not the exchange's: the re-run forward exchanges
+            # Q, K, V and the output again (measured by the harness: 3 x 4 calls per layer)
+            rc = stage_recomputed_layers(run, stage)
+        calls = (2 * layers + rc) * run.grad_accum  # per layer: forward (and its recompute) and backward
+        note = "all-to-all attention: Q, K, V and the output per layer forward, their gradients backward"
+        if run.profile == "megatron":
+            # TE AttnFuncWithCPAndQKVOA2A (>= 2.8): forward all-to-alls Q, K, V (sequence -> head sharding) and
+            # the output back; backward the output gradient and dQ, dK, dV: Q+K+V+O bytes per layer each way
+            qkvo = tok * (2 * m.heads + 2 * m.kv_heads) // run.tp * m.head_dim * DTYPE_BYTES[act]
+            return [_term(run, "all-to-all", "cp", act, c, qkvo, calls, [(st["cp"], c)], kind="a2a", window="attn",
+                          per_mb=True, note=note)]
+        # DeepSpeed-Ulysses DistributedAttention (and the harness): one all-to-all per tensor, Q and the output
+        # (a/t heads), K and V (g/t heads), each way
+        qo = tok * (m.heads // run.tp) * m.head_dim * DTYPE_BYTES[act]
+        kv = tok * (m.kv_heads // run.tp) * m.head_dim * DTYPE_BYTES[act]
+        return [_term(run, "all-to-all", "cp", act, c, qo, 2 * calls, [(st["cp"], c)], kind="a2a", window="attn",
+                      per_mb=True, note=note + " (Q, O)"),
+                _term(run, "all-to-all", "cp", act, c, kv, 2 * calls, [(st["cp"], c)], kind="a2a", window="attn",
+                      per_mb=True, note=note + " (K, V)")]
     # K and V of the local sequence chunk on one TP rank (GQA: kv_heads / tp heads)
     kv = 2 * tok * (m.kv_heads // run.tp) * m.head_dim * DTYPE_BYTES[act]
     # TE AttnFuncWithCPAndKVP2P: forward (cp-1) K/V sends; backward (cp-1) K/V + (cp-1) dK/dV sends

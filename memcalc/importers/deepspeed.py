@@ -3,7 +3,8 @@
 Keys and meanings: DeepSpeed configuration reference (https://www.deepspeed.ai/docs/config-json/): batch size
 keys (`train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * data-parallel size`),
 `fp16` / `bf16` / `amp`, `zero_optimization` (stage, offload_optimizer / offload_param with device cpu | nvme,
-bucket sizes), `optimizer`, `activation_checkpointing`, `data_types.grad_accum_dtype`. "auto" values are the
+bucket sizes), `optimizer`, `activation_checkpointing`, `data_types.grad_accum_dtype`, `sequence_parallel_size`
+(DeepSpeed-Ulysses: --cp N, all-to-all). "auto" values are the
 Hugging Face Trainer integration's (transformers integrations/deepspeed.py `HfTrainerDeepSpeedConfig`): batch
 sizes come from the Trainer's arguments, and `reduce_bucket_size = hidden^2`,
 `stage3_prefetch_bucket_size = 0.9 * hidden^2`, `stage3_param_persistence_threshold = 10 * hidden` from the model.
@@ -193,9 +194,19 @@ def import_deepspeed(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
     _zero(cfg, imp, source)
     _optimizer(cfg, imp, source)
     _checkpointing(cfg, imp, o, explicit, source)
+    if "sequence_parallel_size" in cfg:
+        # DeepSpeed-Ulysses (deepspeed/runtime/config.py `sequence_parallel_size`, default 1): the sequence is
+        # split over this many ranks and attention exchanges Q, K, V and its output all-to-all
+        n = as_int(cfg["sequence_parallel_size"], "sequence_parallel_size", source)
+        if n < 1:
+            raise InputError(f"{source}: sequence_parallel_size = {cfg['sequence_parallel_size']!r} must be at "
+                             "least 1")
+        imp.set("cp", n)
+        imp.set("cp_comm", "a2a")
 
     handled = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "fp16", "bf16",
-               "bfloat16", "amp", "data_types", "zero_optimization", "optimizer", "activation_checkpointing"}
+               "bfloat16", "amp", "data_types", "zero_optimization", "optimizer", "activation_checkpointing",
+               "sequence_parallel_size"}
     for k, v in cfg.items():
         if k in handled:
             continue

@@ -197,7 +197,8 @@ def render_markdown(est: Estimate, units: str = "GiB") -> str:
     out = [f"### {m['display_name']} · {format_count(m['total_params'])} params · {par['gpus']} x "
            f"{hw['display_name'] or hw['name']} · profile {inp['profile']}", ""]
     out.append(f"dp {par['dp']} · tp {par['tp']}{' +SP' if par['sp'] else ''} · pp {par['pp']}"
-               + (f" (vpp {par['vpp']})" if par["vpp"] > 1 else "") + f" · cp {par['cp']} · ZeRO-{par['zero']}"
+               + (f" (vpp {par['vpp']})" if par["vpp"] > 1 else "") + f" · cp {par['cp']}"
+               + (f" ({par['cp_comm']})" if par["cp"] > 1 else "") + f" · ZeRO-{par['zero']}"
                + (f" · offload {par['offload']}" if par["offload"] != "none" else "")
                + f" · seq {tr['seq']} · micro-batch {tr['micro_batch']} · grad-accum {tr['grad_accum']} · "
                f"{tr['precision']} · {tr['optimizer']} · recompute {tr['recompute']}")

@@ -90,7 +90,8 @@ def render_estimate(est: Estimate, run: Run, units: str = "GiB", explain: bool =
     con.print(Text(title, style="bold"))
     layout = (f"dp {par['dp']} · tp {par['tp']}{' +SP' if par['sp'] else ''} · pp {par['pp']}"
               + (f" (vpp {par['vpp']})" if par['vpp'] > 1 else "")
-              + f" · cp {par['cp']}" + (f" · ep {par['ep']}" if par['ep'] > 1 else "")
+              + f" · cp {par['cp']}" + (f" ({par['cp_comm']})" if par['cp'] > 1 else "")
+              + (f" · ep {par['ep']}" if par['ep'] > 1 else "")
               + f" · ZeRO-{par['zero']}" + (f" · offload {par['offload']}" if par['offload'] != "none" else ""))
     batch = (f"seq {tr['seq']} · micro-batch {tr['micro_batch']} · grad-accum {tr['grad_accum']} · "
              f"global batch {tr['global_batch']} ({tr['tokens_per_step']:,} tokens/step) · {tr['precision']} · "

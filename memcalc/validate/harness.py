@@ -129,6 +129,8 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
     from memcalc.validate.parallelize import (
         apply_fsdp,
         apply_tp,
+        apply_ulysses,
+        cp_group,
         fsdp_buffer_storages,
         make_mesh,
         mesh_coords,
@@ -143,13 +145,15 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
         torch.cuda.set_device(0 if fake_world else rank)
     torch_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     mesh = make_mesh(run, dev_type)
+    cp_pg = cp_group(run)
     coords = mesh_coords(run, rank)
     recipe = run.recipe
     m, t = run.model, run.training
     compute_dtype = DTYPES[recipe.compute_dtype]
     param_dtype = DTYPES[recipe.param_dtype]
     # FSDP2 only where the shard group has more than one rank (torchtitan; memcalc/cost/buffers.py)
-    fsdp = run.zero >= 2 and run.dp > 1
+    replicas = run.dp * run.cp  # ranks that hold the same parameters (the "dp" mesh dimension)
+    fsdp = run.zero >= 2 and replicas > 1
     tracker = Tracker()
     labels: dict[str, str] = {}
     for dim in ("dp", "pp", "tp"):
@@ -157,8 +161,10 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
             labels[mesh.get_group(dim).group_name] = dim
         except Exception:  # noqa: BLE001
             pass
+    if cp_pg is not None:
+        labels[cp_pg.group_name] = "cp"
     world_name = dist.group.WORLD.group_name
-    labels.setdefault(world_name, "dp" if run.dp == world_size else "world")
+    labels.setdefault(world_name, "dp" if replicas == world_size else "world")
     tracker.group_labels = labels
 
     fake_mode: Any = contextlib.nullcontext()
@@ -221,7 +227,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
 
                 mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
             apply_fsdp(model, mesh["dp"], run.zero, mp, pipelined=run.pp > 1)
-        elif run.dp > 1 and run.pp == 1 and run.tp == 1:
+        elif replicas > 1 and run.pp == 1 and run.tp == 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             kw: dict[str, Any] = {}
@@ -237,7 +243,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
         if recipe.master_weights:
             optim: Any = MasterOptimizer(trainable, _make_optimizer(run, impl))
-        elif run.zero == 1 and run.dp > 1:
+        elif run.zero == 1 and replicas > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             cls, kw = _optimizer_class_kwargs(run, impl)
@@ -255,8 +261,14 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
 
         b, s, ga, V = run.micro_batch, run.seq, int(run.grad_accum), m.vocab
         g = torch.Generator(device="cpu").manual_seed(1234 + coords["dp"])
-        tokens = torch.randint(0, V, (ga, b, s), generator=g).to(torch_device)
-        targets = torch.randint(0, V, (ga, b, s), generator=g).to(torch_device)
+        tokens = torch.randint(0, V, (ga, b, s), generator=g)
+        targets = torch.randint(0, V, (ga, b, s), generator=g)
+        if cp_pg is not None:  # this rank's part of each sequence (contiguous chunks, causal attention unchanged)
+            s_loc = s // run.cp
+            apply_ulysses(model, cp_pg, coords["cp"], s_loc)
+            tokens = tokens[..., coords["cp"] * s_loc:(coords["cp"] + 1) * s_loc].contiguous()
+            targets = targets[..., coords["cp"] * s_loc:(coords["cp"] + 1) * s_loc].contiguous()
+        tokens, targets = tokens.to(torch_device), targets.to(torch_device)
 
         schedule = None
         if run.pp > 1:

@@ -92,12 +92,45 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotary_cos_sin(seq: int, dim: int, device: Any, dtype: torch.dtype, base: float = 10000.0):
+def rotary_cos_sin(seq: int, dim: int, device: Any, dtype: torch.dtype, base: float = 10000.0, start: int = 0):
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    t = torch.arange(seq, device=device, dtype=torch.float32)
+    t = torch.arange(start, start + seq, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class _UlyssesExchange(torch.autograd.Function):
+    """DeepSpeed-Ulysses' all-to-all (Jacobs et al. 2023 sec. 3; the op sequence of DeepSpeed's
+    `deepspeed/sequence/layer.py` `single_all_to_all`, batch-first layout): to heads, (b, s/cp, H, d) ->
+    (b, s, H/cp, d); to sequence, the inverse. The input is laid out per destination rank (a permuted contiguous
+    copy), exchanged into a new buffer, and the result permuted into a contiguous tensor; the send and receive
+    buffers are freed when it returns. Nothing is saved: backward exchanges the gradient the other way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return _ulysses_exchange(x, group, to_heads)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return _ulysses_exchange(g.contiguous(), ctx.group, not ctx.to_heads), None, None
+
+
+def _ulysses_exchange(x: torch.Tensor, group: Any, to_heads: bool) -> torch.Tensor:
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    b, s, heads, d = x.shape
+    if to_heads:  # scatter the heads, gather the sequence
+        send = x.reshape(b, s, n, heads // n, d).permute(2, 0, 1, 3, 4).contiguous()
+        recv = torch.empty_like(send)  # (source rank = sequence chunk, b, s/cp, H/cp, d)
+        dist.all_to_all_single(recv, send, group=group)
+        return recv.permute(1, 0, 2, 3, 4).contiguous().reshape(b, n * s, heads // n, d)
+    send = x.reshape(b, n, s // n, heads, d).permute(1, 0, 2, 3, 4).contiguous()
+    recv = torch.empty_like(send)  # (source rank = head group, b, s/cp, H/cp, d)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 2, 0, 3, 4).contiguous().reshape(b, s // n, n * heads, d)
 
 
 class Attention(nn.Module):
@@ -118,6 +151,7 @@ class Attention(nn.Module):
             self.k = nn.Linear(h, g * d, bias=m.qkv_bias)
             self.v = nn.Linear(h, g * d, bias=m.qkv_bias)
         self.o = nn.Linear(a * d, h, bias=m.linear_bias)
+        self.cp_group: Any = None  # all-to-all context parallelism (Ulysses) over this group when set
 
     def _fused_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as views of the fused output (lit-gpt); under GQA k and v are expanded to every query head and
@@ -170,10 +204,20 @@ class Attention(nn.Module):
             shape = (b, k.shape[1], self.rep, s, self.d)  # local K/V heads under TP
             k = k.unsqueeze(2).expand(shape).flatten(1, 2)
             v = v.unsqueeze(2).expand(shape).flatten(1, 2)
+        if self.cp_group is not None:
+            # Ulysses: Q, K, V one after the other from sequence to head sharding; the kernel runs on the whole
+            # sequence with its share of the heads (layout (b, s, H/cp, d), as DeepSpeed's flash path takes them)
+            q, k, v = (_UlyssesExchange.apply(t.transpose(1, 2), self.cp_group, True).transpose(1, 2)
+                       for t in (q, k, v))
         if self.selective:
             y = checkpoint(self._core, q, k, v, use_reentrant=False)
         else:
             y = self._core(q, k, v)
+        if self.cp_group is not None:
+            # the output back to sequence sharding: a new tensor, which the o projection saves, besides the
+            # kernel's own (saved by SDPA for its backward)
+            y = _UlyssesExchange.apply(y.transpose(1, 2), self.cp_group, False).reshape(b, s, -1)
+            return cuda_dropout(self.o(y), self.dropout, self.training)
         if self.fused:
             # CUDA's flash kernel writes its output in q's (head-major) layout, so lit-gpt's
             # `y.transpose(1, 2).reshape(B, T, C)` copies it; CPU's kernel writes token-major, so make it head-major
@@ -227,13 +271,14 @@ class Embed(nn.Module):
         self.pos = nn.Embedding(m.max_positions, m.hidden) if m.positions == "learned" else None
         self.dropout = dropout
         self.seq_shard: tuple[int, int] | None = None  # (rank, size) under sequence parallelism
+        self.seq_offset = 0  # the first position of this rank's tokens (context parallelism)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok(tokens)
         if self.pos is not None:
             s = tokens.shape[1]
             w = self.pos.weight
-            pos = (w.to_local() if hasattr(w, "to_local") else w)[:s]
+            pos = (w.to_local() if hasattr(w, "to_local") else w)[self.seq_offset:self.seq_offset + s]
             if self.seq_shard is not None:  # the token embedding came out sharded along the sequence
                 r, n = self.seq_shard
                 pos = pos.chunk(n, dim=0)[r]
@@ -324,6 +369,7 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
         self.rotary = m.positions == "rotary"
         self.head_dim = m.head_dim
+        self.seq_offset = 0  # context parallelism: this rank's tokens start here in the sequence
         self.head: nn.Module | None = Head(m, norm_impl, loss_chunks, loss_chunk_size)
         if m.tied_embeddings:
             self.head.out.weight = self.embed.tok.weight
@@ -338,7 +384,7 @@ class GPT(nn.Module):
             # freqs_cis): the cost model's `rotary_cos_sin`, one pair per micro-batch per stage, in the dtype of
             # q and k (the autocast dtype under AMP).
             dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-            rope = rotary_cos_sin(seq, self.head_dim, x.device, dt)
+            rope = rotary_cos_sin(seq, self.head_dim, x.device, dt, start=self.seq_offset)
         for blk in self.layers.values():
             x = blk(x, rope)
         if self.head is not None:

@@ -1,8 +1,10 @@
 """Parallel layouts with PyTorch's own APIs (the `torch` profile, DESIGN.md section 3):
 DDP (zero 0), DDP + ZeroRedundancyOptimizer (zero 1), FSDP2 `fully_shard` per block with
 `reshard_after_forward=False` (zero 2, ZeRO-2-like) or the default (zero 3), DTensor TP (ColwiseParallel /
-RowwiseParallel) with SequenceParallel for SP, FSDP2 x TP on a 2-D mesh, and `torch.distributed.pipelining`
-(GPipe / 1F1B). Rank placement follows `--order tp,cp,pp,dp` (tp innermost): the mesh is (dp, pp, tp), row-major.
+RowwiseParallel) with SequenceParallel for SP, FSDP2 x TP on a 2-D mesh, `torch.distributed.pipelining`
+(GPipe / 1F1B), and all-to-all context parallelism (`--cp-comm a2a`: DeepSpeed-Ulysses' exchange, written with
+torch.distributed in memcalc/validate/model.py; torch's own ring `context_parallel` needs CUDA's SDPA kernels).
+Rank placement follows `--order tp,cp,pp,dp` (tp innermost): the mesh is (dp x cp, pp, tp), row-major.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ def check_supported(run: Run, world: str, device: str) -> None:
     if m.moe is not None or run.ep > 1:
         raise Unsupported("mixture-of-experts models are not built by the harness yet")
     if run.cp > 1:
-        raise Unsupported("--cp > 1 (context parallel) is not built by the harness yet")
+        if run.cp_comm != "a2a":
+            raise Unsupported("--cp-comm p2p (ring attention: torch context_parallel) needs CUDA's SDPA kernels and "
+                              "is not built by the harness; valid here: --cp-comm a2a (Ulysses)")
+        if run.tp > 1 or run.pp > 1 or t.qkv_impl != "separate" or t.gqa_impl != "native":
+            raise Unsupported("--cp-comm a2a runs in the harness with data and context parallelism alone (tp = pp = "
+                              "1) and separate, native-GQA Q/K/V")
     if run.vpp > 1 and (run.dp > 1 or run.tp > 1):
         raise Unsupported("--vpp > 1 (interleaved 1F1B) runs in the harness with pipeline parallelism alone "
                           "(dp = tp = 1)")
@@ -94,14 +101,38 @@ def check_supported(run: Run, world: str, device: str) -> None:
 
 
 def mesh_coords(run: Run, rank: int) -> dict[str, int]:
-    tp, pp = run.tp, run.pp
-    return {"tp": rank % tp, "pp": (rank // tp) % pp, "dp": rank // (tp * pp)}
+    """A rank's coordinates under the order tp,cp,pp,dp (tp innermost)."""
+    tp, cp, pp = run.tp, run.cp, run.pp
+    return {"tp": rank % tp, "cp": (rank // tp) % cp, "pp": (rank // (tp * cp)) % pp, "dp": rank // (tp * cp * pp)}
 
 
 def make_mesh(run: Run, device_type: str) -> Any:
+    """(dp, pp, tp). With context parallelism (tp = pp = 1 here) the "dp" dimension holds dp x cp ranks: they all
+    hold the same parameters and reduce (or shard) gradients together, as DeepSpeed's and torchtitan's dp x cp
+    groups do; `cp_group` is the all-to-all group."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (run.dp, run.pp, run.tp), mesh_dim_names=("dp", "pp", "tp"))
+    return init_device_mesh(device_type, (run.dp * run.cp, run.pp, run.tp), mesh_dim_names=("dp", "pp", "tp"))
+
+
+def cp_group(run: Run) -> Any:
+    """This rank's context-parallel group: cp consecutive ranks (tp = 1). Every rank creates every group."""
+    import torch.distributed as dist
+
+    if run.cp == 1:
+        return None
+    group, _ = dist.new_subgroups(group_size=run.cp)
+    return group
+
+
+def apply_ulysses(model: GPT, group: Any, cp_rank: int, seq_local: int) -> None:
+    """All-to-all context parallelism: every attention exchanges Q, K, V and its output over `group`; this rank's
+    tokens start at cp_rank x seq_local (rotary and learned positions)."""
+    model.seq_offset = cp_rank * seq_local
+    if model.embed is not None:
+        model.embed.seq_offset = cp_rank * seq_local
+    for blk in model.layers.values():
+        inner_block(blk).attn.cp_group = group
 
 
 def apply_tp(model: GPT, tp_mesh: Any, sp: bool, loss_parallel: bool) -> None:
