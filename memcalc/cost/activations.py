@@ -627,7 +627,8 @@ def cp_ring_transients(run: Run) -> tuple[Num, Num]:
     a2a (TE AttnFuncWithCPAndQKVOA2A): each of Q, K, V is laid out for the exchange (a send copy), received into a
     new buffer and reordered into the head-sharded tensor the kernel reads (saved, counted as q, k, v), while the
     projection's sequence-sharded Q, K, V are still referenced by the caller: three Q+K+V-sized buffers besides
-    the saved ones; backward sends dQ, dK, dV back the same way."""
+    the saved ones; backward sends dQ, dK, dV back the same way. DeepSpeed-Ulysses (the deepspeed and torch
+    profiles' a2a): `_ulysses_transients`."""
     m = run.model
     c, tok, _, _ = _shape(run)
     has = run.cp > 1
