@@ -844,6 +844,10 @@ def test_ulysses_all_to_all_under_torch_and_deepspeed():
     uly = make(m, "torch", seq=8192, cp=4, gpus=4, cp_comm="a2a")
     assert layer_terms(uly)["attn_output_pre_a2a"] == 16_777_216
     assert cp_ring_transients(uly) == (0, 0)
+    # op-level SAC saves the gate projection's output after the exchange alone, 2 x 2048 x 14336 = 58,720,256 B:
+    # more than the 33,554,432 B of the exchange
+    op = make(m, "torch", seq=8192, cp=4, gpus=4, cp_comm="a2a", recompute="op")
+    assert layer_terms(op, "op")["sac_gate_output"] == 58_720_256 and cp_ring_transients(op) == (0, 0)
     full = make(m, "torch", seq=8192, cp=4, gpus=4, cp_comm="a2a", recompute="full")
     assert cp_ring_transients(full) == (75_497_472, 0)
     assert 2 * (16_777_216 + 2 * 4_194_304) + 2 * 4_194_304 + 2 * 2048 * 4096 == 75_497_472

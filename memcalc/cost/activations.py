@@ -657,20 +657,23 @@ def _ulysses_transients(run: Run) -> tuple[Num, Num]:
     q = c * tok * (m.heads // run.tp) * m.head_dim
     kv = c * tok * (m.kv_heads // run.tp) * m.head_dim
     mode = run.training.recompute
-
-    def saved_after_v(terms: dict[str, Num]) -> Num:
-        keys = list(terms)
-        total = 0
-        for k in keys[keys.index("v") + 1:] if "v" in terms else []:
-            total = total + terms[k]
-        return total
-
-    plain_after = saved_after_v(layer_terms(run, "none"))
+    plain_after = _saved_after_exchange(layer_terms(run, "none"))
     if mode == "full":
         fwd = (q + 2 * kv) * 2 + 2 * kv + c * tok * m.hidden
     else:
-        fwd = imax(q + 2 * kv + 2 * kv - saved_after_v(layer_terms(run, mode)), 0)
+        fwd = imax(q + 2 * kv + 2 * kv - _saved_after_exchange(layer_terms(run, mode)), 0)
     return fwd, imax(3 * q - plain_after, 0)
+
+
+def _saved_after_exchange(terms: dict[str, Num]) -> Num:
+    """What a layer saves after its Q, K, V cross to head sharding: all but the terms up to the core's inputs
+    (`_UP_TO_CORE` less the core's own, `_CORE`; under op-level SAC the checkpointed input and the Q and V
+    projections' outputs)."""
+    total = 0
+    for k, v in terms.items():
+        if k not in _BEFORE_EXCHANGE:
+            total = total + v
+    return total
 
 
 def in_flight(run: Run, stage: Num) -> Num:
@@ -754,6 +757,9 @@ _UP_TO_CORE = ("attn_norm", "attn_norm_normalized", "qkv_input", "q", "k", "v", 
                "attn_dropout_mask", "attn_dropout_output", "attn_lse", "lora_attn_low_rank", "lora_dropout_qkv",
                "lora_dropout_qkv_mask", "lora_qkv_zero_pad")
 _CORE = ("attn_softmax", "attn_dropout_mask", "attn_dropout_output", "attn_lse")
+# saved before an all-to-all CP exchange of Q, K, V (`_saved_after_exchange`)
+_BEFORE_EXCHANGE = frozenset(k for k in _UP_TO_CORE if k not in _CORE) | {"checkpoint_input", "sac_q_output",
+                                                                         "sac_v_output"}
 
 
 def recompute_transient_bytes(run: Run) -> Num:

@@ -152,7 +152,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
     compute_dtype = DTYPES[recipe.compute_dtype]
     param_dtype = DTYPES[recipe.param_dtype]
     # FSDP2 only where the shard group has more than one rank (torchtitan; memcalc/cost/buffers.py)
-    replicas = run.dp * run.cp  # ranks that hold the same parameters (the "dp" mesh dimension)
+    replicas = run.shard_degree  # dp x cp ranks hold the same parameters (the "dp" mesh dimension)
     fsdp = run.zero >= 2 and replicas > 1
     tracker = Tracker()
     labels: dict[str, str] = {}

@@ -112,7 +112,7 @@ def make_mesh(run: Run, device_type: str) -> Any:
     groups do; `cp_group` is the all-to-all group."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (run.dp * run.cp, run.pp, run.tp), mesh_dim_names=("dp", "pp", "tp"))
+    return init_device_mesh(device_type, (run.shard_degree, run.pp, run.tp), mesh_dim_names=("dp", "pp", "tp"))
 
 
 def cp_group(run: Run) -> Any:
