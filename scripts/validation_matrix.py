@@ -223,6 +223,17 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
                                                                        gpus=4, cp=4, recompute="selective"))
     add("fake Ulysses cp 4 x FSDP2 ZeRO-3 bf16, world 16", dict(U, precision="bf16", gpus=16, cp=4, zero=3),
         world="fake")
+    # mixture of experts: Hugging Face's MixtralSparseMoeBlock (memcalc/validate/model.py MoE), balanced routing
+    X = dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn=192, vocab=1000, seq=512)
+    moe = {"moe": {"experts": 4, "top_k": 2, "expert_ffn": 192, "shared_experts": 0}}
+    add("MoE 4 experts top-2, single bf16 AMP, seq 512", dict(X, precision="bf16"), moe)
+    add("MoE + shared expert, FSDP2 ZeRO-3 bf16, seq 512", dict(X, precision="bf16", gpus=2, zero=3),
+        {"moe": dict(moe["moe"], shared_experts=1)})
+    add("MoE 4 experts top-2, DDP fp32, full recompute", dict(X, precision="fp32", gpus=2, recompute="full"), moe)
+    # vocab 64: the loss gradient is small, so a layer's backward is the peak, and with the experts' small
+    # per-expert transients the attention's backward (not modelled) is its highest moment
+    add("MoE, vocab 64: attention backward is the peak", dict(X, precision="bf16", master_weights=False,
+                                                               vocab=64), moe)
     return c
 
 
@@ -231,10 +242,9 @@ def build(opts: dict[str, Any], model: dict[str, Any]) -> Any:
 
     run = build_run(RunOptions(**opts))
     if model:
-        m = run.model.model_copy(update=model)
         from memcalc.specs import ModelSpec, resolve
 
-        m = ModelSpec(**m.model_dump())
+        m = ModelSpec(**{**run.model.model_dump(), **model})
         t = run.training
         from memcalc.specs import ParallelSpec
 
@@ -388,7 +398,9 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "What the harness builds (memcalc/validate/model.py): embedding (+ learned positions), per block "
            "norm -> separate q/k/v -> rotary (rotate-half, cos/sin in the activation dtype) -> SDPA (is_causal, "
            "enable_gqa) or eager softmax attention (additive causal bias) -> o -> residual -> norm -> SwiGLU or "
-           "GELU(tanh) MLP -> residual; dropout as CUDA's native_dropout (bool masks); "
+           "GELU(tanh) MLP, or a mixture of experts (Hugging Face's MixtralSparseMoeBlock, round-robin "
+           "routing for balance, optional shared experts; ep = tp = 1) -> residual; dropout as CUDA's "
+           "native_dropout (bool masks); "
            "final norm, LM head, fp32 cross-entropy. Layouts: DDP, DDP + ZeroRedundancyOptimizer (ZeRO-1), FSDP2 "
            "fully_shard per block (ZeRO-2: reshard_after_forward=False; ZeRO-3: default) with "
            "MixedPrecisionPolicy(bf16, reduce fp32), DTensor TP (+SequenceParallel), FSDP2 x TP, "

@@ -149,6 +149,43 @@ def _op_sac_terms(run: Run) -> dict[str, Num]:
     return out
 
 
+def _hf_moe_terms(run: Run, out: dict[str, Num]) -> None:
+    """What Hugging Face's `MixtralSparseMoeBlock` (transformers models/mixtral/modeling_mixtral.py, read at
+    00d4b3d) saves, op by op, for `tok` tokens and R = k * tok routed copies; the input xs is the norm output, in
+    the stream dtype (fp32 under autocast). Measured to the byte by the harness (memcalc/validate/model.py `MoE`).
+    - router: the gate's input (one compute-dtype cast under autocast), softmax(dtype=float) saves its fp32 output
+      (tok x E), topk its int64 indices (tok x k); the k weights are renormalised in place, which saves them and
+      their sum (fp32: tok x k, tok);
+    - per expert, `torch.where` on the one-hot mask gives (slot, token) index pairs, one int64 (R_e, 2) storage,
+      saved by the gather and by `index_add_`: 16 bytes per routed copy;
+    - the gathered tokens `xs[top_x]` (stream dtype) are saved by the expert's first linears, cast per linear under
+      autocast; the expert MLP saves what a dense one does (`_mlp_terms`) on R tokens;
+    - `expert(x) * w[top_x, idx, None]` saves both factors: the expert output (compute dtype) and the weights (the
+      stream dtype, `routing_weights.to(hidden_states.dtype)`);
+    - `index_add_(0, top_x, source)` saves `source` whole (its derivative is written with `expand_as(source)`):
+      the weighted output, in the stream dtype;
+    - shared experts (HF `DeepseekV3MoE`): a dense MLP of width shared x expert_ffn on every token, reading the same
+      input (two more autocast casts for SwiGLU)."""
+    m = run.model
+    moe = m.moe
+    assert moe is not None
+    c, tok, _, tok_in = _shape(run)
+    h, k = m.hidden, moe.top_k
+    s = _stream_bytes(run, c)
+    mlp_in = 2 if m.mlp == "swiglu" else 1
+    out["mlp_input"] = c * tok_in * h * _input_copies(run, 1 + (mlp_in if moe.shared_experts else 0))
+    out["moe_router_probs"] = 4 * tok_in * moe.experts
+    out["moe_routing_metadata"] = 8 * tok * k + 4 * tok * k + 4 * tok
+    routed = k * tok
+    out["moe_token_indices"] = 16 * routed
+    out["moe_dispatched_input"] = c * routed * h * _input_copies(run, mlp_in)
+    _mlp_terms(run, "moe_expert_", c, routed, moe.expert_ffn, out)
+    out["moe_combine"] = c * routed * h + s * routed
+    out["moe_weighted_output"] = s * routed * h
+    if moe.shared_experts:
+        _mlp_terms(run, "moe_shared_", c, tok, moe.shared_experts * moe.expert_ffn, out)
+
+
 def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) -> dict[str, Num]:
     """Bytes saved for backward by one transformer layer for one micro-batch on one rank, by named term.
 
@@ -233,14 +270,19 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     if normalized is not None:
         out["mlp_norm_normalized"] = normalized
     moe = m.moe
-    # norm output, input of fc / gate+up (and of the MoE router); gate and up cast it separately under autocast
-    out["mlp_input"] = c * tok_in * h * _input_copies(run, 2 if m.mlp == "swiglu" and moe is None else 1)
+    mlp_in = 2 if m.mlp == "swiglu" else 1  # linears reading the MLP input: gate and up, or fc
     if moe is None:
+        # norm output, input of fc / gate+up; gate and up cast it separately under autocast
+        out["mlp_input"] = c * tok_in * h * _input_copies(run, mlp_in)
         _mlp_terms(run, "mlp_", c, tok, m.ffn, out)
+    elif run.profile != "megatron":
+        _hf_moe_terms(run, out)
     else:
+        out["mlp_input"] = c * tok_in * h
         k = moe.top_k
-        # Router (Megatron megatron/core/transformer/moe/router.py; HF MixtralSparseMoeBlock): fp32 softmax
-        # over experts, then top-k indices (int64) and weights (fp32) per token.
+        # Megatron (megatron/core/transformer/moe/router.py, token_dispatcher.py), not measured here (the harness
+        # runs HF's block; no published Megatron MoE peak is compared yet): fp32 softmax over experts, then top-k
+        # indices (int64) and weights (fp32) per token.
         out["moe_router_probs"] = 4 * tok_in * moe.experts
         out["moe_routing_metadata"] = 12 * tok_in * k
         # Balanced routing: the EP all-to-all delivers k*tok tokens to each rank, whatever ep is (each rank sends
@@ -906,6 +948,8 @@ def layer_backward_transient(run: Run) -> Num:
     m = run.model
     c, tok, _, _ = _shape(run)
     stream = _residual_grad_bytes(run)
+    if m.moe is not None and run.profile != "megatron":
+        return stream + _hf_moe_backward_transient(run)
     if m.moe is None:
         tokens, ffn = tok, m.ffn
     else:
@@ -921,6 +965,48 @@ def layer_backward_transient(run: Run) -> Num:
     if _dequantizes(run.training) and _down_adapted(run):
         adapter = c * tokens * f_t - _down_adapter_saved(run, tokens, f_t)
     return stream + imax(factors * c * tokens * f_t, c * tokens * f_t + dq + adapter)
+
+
+def _hf_moe_backward_transient(run: Run) -> Num:
+    """Beyond the saved set and the incoming gradient, the highest moment of `MixtralSparseMoeBlock`'s backward
+    (`_hf_moe_terms`), which walks the experts in reverse, each on R_e = k tok / E tokens (balanced routing), s the
+    stream dtype, T = s tok h the block input's size. Three candidates, from autograd's op order (the harness
+    measures each to the byte in fp32 and pure bf16; under autocast the third is an upper bound):
+    - the first expert's combine: `index_add_`'s source gradient (s R_e h; the saved source is freed as the weights'
+      gradient takes its place) and the product for the weights' gradient (s R_e h), then that gradient's sum
+      (s R_e) or, under autocast, the expert output's gradient cast to the compute dtype (c R_e h);
+    - its MLP: the weights' index gradient (s tok k, kept across experts) and the SwiGLU factors' gradients
+      (2 c R_e f) after the down projection's input gradient freed its saved product and the output gradient
+      (c R_e h), the saved source and weights gone (GELU: the down projection's input gradient, c R_e f);
+    - the index backward `xs[top_x]` of the first and second experts: a zero buffer of the input's shape and the
+      `index_put` result (2 T), beside the gradient accumulated so far (T from the second expert on), less what the
+      walked experts freed (F per expert), the first expert's input gradient, indices and the weights' gradient
+      still live.
+    Shared experts' backward runs first (created last): a dense MLP's on tok tokens, whose input gradient (T) then
+    waits for the routed experts'."""
+    m = run.model
+    moe = m.moe
+    assert moe is not None
+    c, tok, _, _ = _shape(run)
+    h, k = m.hidden, moe.top_k
+    s = _stream_bytes(run, c)
+    f = moe.expert_ffn
+    r_e = cdiv(k * tok, moe.experts)
+    big = s * tok * h
+    copies = _input_copies(run, 2 if m.mlp == "swiglu" else 1)
+    mlp_saved = (4 if m.mlp == "swiglu" else 2) * c * r_e * f  # `_mlp_terms` (unfused SwiGLU) on R_e tokens
+    freed = c * r_e * h * copies + mlp_saved + c * r_e * h + s * r_e + s * r_e * h + 16 * r_e
+    kept = s * r_e * h + 16 * r_e + s * tok * k
+    combine = 2 * s * r_e * h + where(_autocast(run) > 0, c * r_e * h, s * r_e)
+    after = s * tok * k - s * r_e * h - s * r_e
+    mlp = after + (2 * c * r_e * f - c * r_e * h if m.mlp == "swiglu" else c * r_e * f)
+    index = 2 * big - freed + kept + imax(0, big - freed)
+    routed = imax(imax(combine, mlp), index)
+    if not moe.shared_experts:
+        return routed
+    fs = moe.shared_experts * f
+    shared = (2 if m.mlp == "swiglu" else 1) * c * tok * fs
+    return imax(shared, big + routed)
 
 
 def _residual_grad_bytes(run: Run) -> Num:

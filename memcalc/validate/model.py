@@ -6,7 +6,7 @@ Op by op (what autograd saves is what the activation model must count; see docs/
   nn.Linear, GQA-sized k/v) -> rotary on q, k (rotate-half form, cos/sin computed once per forward in the
   activation dtype) -> attention core (SDPA with is_causal and enable_gqa for `flash`; matmul + additive causal bias + softmax + matmul for `eager`, k/v
   repeated for GQA) -> o -> residual add -> `norm2` -> MLP (SwiGLU: down(silu(gate(x)) * up(x)); GELU:
-  proj(gelu_tanh(fc(x)))) -> residual add; dropout (when > 0, CUDA's native_dropout with its bool mask on every
+  proj(gelu_tanh(fc(x))); MoE models: `MoE`, HF's MixtralSparseMoeBlock with balanced routing) -> residual add; dropout (when > 0, CUDA's native_dropout with its bool mask on every
   device) after o, after the MLP and on the attention probabilities;
 - final norm, LM head (tied: shares `tok.weight`), logits in the compute dtype; the loss upcasts them to fp32
   (`loss_fn`).
@@ -250,6 +250,50 @@ class MLP(nn.Module):
         return y
 
 
+class MoE(nn.Module):
+    """A sparse MoE MLP in the form of Hugging Face's `MixtralSparseMoeBlock` (transformers
+    models/mixtral/modeling_mixtral.py, read at 00d4b3d): a bias-free router, softmax over the experts in fp32,
+    top-k, the k weights renormalised in place and cast back to the input dtype; then per expert the indices of its
+    tokens (`torch.where` on the one-hot mask), the gathered tokens through the expert's SwiGLU / GELU MLP, the
+    output times the tokens' weights, `index_add_` into the result. The routing is forced to balance (below).
+    Shared experts (DeepSeek's, HF
+    `DeepseekV3MoE`) are one MLP of width shared x expert_ffn on every token, added to the routed output."""
+
+    def __init__(self, m: ModelSpec, dropout: float):
+        super().__init__()
+        moe = m.moe
+        assert moe is not None
+        self.k, self.dropout = moe.top_k, dropout
+        self.gate = nn.Linear(m.hidden, moe.experts, bias=False)
+        em = m.model_copy(update={"ffn": moe.expert_ffn, "moe": None})
+        self.experts = nn.ModuleList(MLP(em, 0.0) for _ in range(moe.experts))
+        sm = m.model_copy(update={"ffn": moe.shared_experts * moe.expert_ffn, "moe": None})
+        self.shared = MLP(sm, 0.0) if moe.shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        xs = x.view(-1, h)
+        w = F.softmax(self.gate(xs), dim=1, dtype=torch.float)
+        # balanced round-robin routing (torchtitan's `_debug_force_load_balance`) in place of top-k: every expert
+        # gets k * tok / E tokens, the balance the cost model assumes; `gather` saves its int64 index as topk does
+        chosen = torch.arange(xs.shape[0] * self.k, device=xs.device).view(-1, self.k) % len(self.experts)
+        w = w.gather(1, chosen)
+        w /= w.sum(dim=-1, keepdim=True)
+        w = w.to(xs.dtype)
+        out = torch.zeros((b * s, h), dtype=xs.dtype, device=xs.device)
+        mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e, expert in enumerate(self.experts):
+            slot, tok = torch.where(mask[e])
+            if tok.numel() == 0:
+                continue
+            y = expert(xs[None, tok].reshape(-1, h)) * w[tok, slot, None]
+            out.index_add_(0, tok, y.to(xs.dtype))
+        out = out.reshape(b, s, h)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return cuda_dropout(out, self.dropout, self.training)
+
+
 class Block(nn.Module):
     def __init__(self, m: ModelSpec, kernel: str, dropout: float, selective: bool, norm_impl: str = "fused",
                  qkv_impl: str = "separate", gqa_impl: str = "native"):
@@ -257,7 +301,7 @@ class Block(nn.Module):
         self.norm1 = _norm(m, norm_impl)
         self.attn = Attention(m, kernel, dropout, selective, qkv_impl, gqa_impl)
         self.norm2 = _norm(m, norm_impl)
-        self.mlp = MLP(m, dropout)
+        self.mlp = MLP(m, dropout) if m.moe is None else MoE(m, dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope)
