@@ -362,7 +362,7 @@ def test_moe_layer_terms_and_ep_independence():
     r = make(m, "torch", seq=T, gpus=2)
     terms = layer_terms(r)
     # HF MixtralSparseMoeBlock under AMP (fp32 weights, bf16 autocast: stream s = 4 B, compute c = 2 B), R = k T
-    # routed copies; every term measured to the byte by the harness (tests/test_validate.py::test_moe_block_*)
+    # routed copies; every term measured to the byte by the harness (tests/test_validate_moe.py)
     R = k * T
     assert terms["mlp_input"] == 2 * T * h  # the router's bf16 cast of the fp32 norm output (no shared experts)
     assert terms["moe_router_probs"] == 4 * T * E  # softmax(dtype=float) output

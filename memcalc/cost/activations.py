@@ -171,19 +171,28 @@ def _hf_moe_terms(run: Run, out: dict[str, Num]) -> None:
     assert moe is not None
     c, tok, _, tok_in = _shape(run)
     h, k = m.hidden, moe.top_k
-    s = _stream_bytes(run, c)
     mlp_in = 2 if m.mlp == "swiglu" else 1
     out["mlp_input"] = c * tok_in * h * _input_copies(run, 1 + (mlp_in if moe.shared_experts else 0))
     out["moe_router_probs"] = 4 * tok_in * moe.experts
     out["moe_routing_metadata"] = 8 * tok * k + 4 * tok * k + 4 * tok
-    routed = k * tok
-    out["moe_token_indices"] = 16 * routed
-    out["moe_dispatched_input"] = c * routed * h * _input_copies(run, mlp_in)
-    _mlp_terms(run, "moe_expert_", c, routed, moe.expert_ffn, out)
-    out["moe_combine"] = c * routed * h + s * routed
-    out["moe_weighted_output"] = s * routed * h
+    out.update(_hf_routed_terms(run, k * tok))
     if moe.shared_experts:
         _mlp_terms(run, "moe_shared_", c, tok, moe.shared_experts * moe.expert_ffn, out)
+
+
+def _hf_routed_terms(run: Run, routed: Num) -> dict[str, Num]:
+    """The terms of `_hf_moe_terms` that scale with the routed token copies: all of them for R = k tok, one
+    expert's for R_e (what its backward frees)."""
+    m = run.model
+    c = _shape(run)[0]
+    s = _stream_bytes(run, c)
+    h = m.hidden
+    out: dict[str, Num] = {"moe_token_indices": 16 * routed,
+                           "moe_dispatched_input": c * routed * h * _input_copies(run, 2 if m.mlp == "swiglu" else 1)}
+    _mlp_terms(run, "moe_expert_", c, routed, m.moe.expert_ffn, out)
+    out["moe_combine"] = c * routed * h + s * routed
+    out["moe_weighted_output"] = s * routed * h
+    return out
 
 
 def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) -> dict[str, Num]:
@@ -270,10 +279,9 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     if normalized is not None:
         out["mlp_norm_normalized"] = normalized
     moe = m.moe
-    mlp_in = 2 if m.mlp == "swiglu" else 1  # linears reading the MLP input: gate and up, or fc
     if moe is None:
         # norm output, input of fc / gate+up; gate and up cast it separately under autocast
-        out["mlp_input"] = c * tok_in * h * _input_copies(run, mlp_in)
+        out["mlp_input"] = c * tok_in * h * _input_copies(run, 2 if m.mlp == "swiglu" else 1)
         _mlp_terms(run, "mlp_", c, tok, m.ffn, out)
     elif run.profile != "megatron":
         _hf_moe_terms(run, out)
@@ -993,9 +1001,7 @@ def _hf_moe_backward_transient(run: Run) -> Num:
     f = moe.expert_ffn
     r_e = cdiv(k * tok, moe.experts)
     big = s * tok * h
-    copies = _input_copies(run, 2 if m.mlp == "swiglu" else 1)
-    mlp_saved = (4 if m.mlp == "swiglu" else 2) * c * r_e * f  # `_mlp_terms` (unfused SwiGLU) on R_e tokens
-    freed = c * r_e * h * copies + mlp_saved + c * r_e * h + s * r_e + s * r_e * h + 16 * r_e
+    freed = sum(_hf_routed_terms(run, r_e).values())
     kept = s * r_e * h + 16 * r_e + s * tok * k
     combine = 2 * s * r_e * h + where(_autocast(run) > 0, c * r_e * h, s * r_e)
     after = s * tok * k - s * r_e * h - s * r_e

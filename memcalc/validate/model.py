@@ -6,8 +6,9 @@ Op by op (what autograd saves is what the activation model must count; see docs/
   nn.Linear, GQA-sized k/v) -> rotary on q, k (rotate-half form, cos/sin computed once per forward in the
   activation dtype) -> attention core (SDPA with is_causal and enable_gqa for `flash`; matmul + additive causal bias + softmax + matmul for `eager`, k/v
   repeated for GQA) -> o -> residual add -> `norm2` -> MLP (SwiGLU: down(silu(gate(x)) * up(x)); GELU:
-  proj(gelu_tanh(fc(x))); MoE models: `MoE`, HF's MixtralSparseMoeBlock with balanced routing) -> residual add; dropout (when > 0, CUDA's native_dropout with its bool mask on every
-  device) after o, after the MLP and on the attention probabilities;
+  proj(gelu_tanh(fc(x))); MoE models: `MoE`, HF's MixtralSparseMoeBlock with balanced routing) -> residual add;
+  dropout (when > 0, CUDA's native_dropout with its bool mask on every device) after o, after the MLP and on the
+  attention probabilities;
 - final norm, LM head (tied: shares `tok.weight`), logits in the compute dtype; the loss upcasts them to fp32
   (`loss_fn`).
 q/k/v and gate/up are separate matrices so that DTensor's ColwiseParallel shards each along its output features;
@@ -256,8 +257,8 @@ class MoE(nn.Module):
     top-k, the k weights renormalised in place and cast back to the input dtype; then per expert the indices of its
     tokens (`torch.where` on the one-hot mask), the gathered tokens through the expert's SwiGLU / GELU MLP, the
     output times the tokens' weights, `index_add_` into the result. The routing is forced to balance (below).
-    Shared experts (DeepSeek's, HF
-    `DeepseekV3MoE`) are one MLP of width shared x expert_ffn on every token, added to the routed output."""
+    Shared experts (DeepSeek's, HF `DeepseekV3MoE`) are one MLP of width shared x expert_ffn on every token, added
+    to the routed output."""
 
     def __init__(self, m: ModelSpec, dropout: float):
         super().__init__()
