@@ -155,14 +155,27 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
         "dropout": float(get("attention_dropout", "attn_pdrop", "hidden_dropout", default=0.0) or 0.0),
         "source": f"Hugging Face config.json at {where}",
     }
-    experts = get("num_local_experts", "num_experts")
+    experts = get("num_local_experts", "num_experts", "n_routed_experts")
     if experts:
         spec["moe"] = {
             "experts": experts,
             "top_k": get("num_experts_per_tok", default=2),
             "expert_ffn": get("moe_intermediate_size", default=ffn),
-            "shared_experts": 1 if get("shared_expert_intermediate_size") else 0,
+            # DeepSeek-V2/V3 (modeling_deepseek*.py): n_shared_experts of moe_intermediate_size each, and the first
+            # first_k_dense_replace layers keep a dense MLP of intermediate_size
+            "shared_experts": get("n_shared_experts", default=1 if get("shared_expert_intermediate_size") else 0)
+            or 0,
+            "first_dense_layers": get("first_k_dense_replace", default=0) or 0,
         }
+    if get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3 DeepseekV3Attention)
+        spec["mla"] = {
+            "q_lora_rank": get("q_lora_rank", default=0) or 0,
+            "kv_lora_rank": get("kv_lora_rank"),
+            "qk_nope_dim": get("qk_nope_head_dim"),
+            "qk_rope_dim": get("qk_rope_head_dim"),
+            "v_head_dim": get("v_head_dim"),
+        }
+        spec["kv_heads"], spec["head_dim"] = heads, 0
     return _model_from_dict(spec, where)
 
 

@@ -48,12 +48,29 @@ class MoESpec(_Frozen):
     top_k: int = Field(ge=1)
     expert_ffn: int = Field(ge=1)
     shared_experts: int = Field(default=0, ge=0)
+    # the first K layers keep a dense MLP of ModelSpec.ffn (DeepSeek-V2/V3 `first_k_dense_replace`; Megatron
+    # `--moe-layer-freq "([0]*K+[1]*(L-K))"`)
+    first_dense_layers: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "MoESpec":
         if self.top_k > self.experts:
             raise ValueError(f"moe top_k {self.top_k} exceeds experts {self.experts}")
         return self
+
+
+class MLASpec(_Frozen):
+    """Multi-head latent attention (DeepSeek-V2, Liu et al. 2024 sec. 2.1): queries (optionally) and keys/values
+    pass through low-rank latents (q_lora_rank, kv_lora_rank) with an RMSNorm each; every head's query and key is a
+    `qk_nope_dim` part from the latent and a rotary `qk_rope_dim` part, the key's rotary part one projection shared
+    by all heads; values have `v_head_dim` per head. Shapes: HF modeling_deepseek_v3.py DeepseekV3Attention and
+    Megatron-LM megatron/core/transformer/multi_latent_attention.py."""
+
+    q_lora_rank: int = Field(default=0, ge=0, description="0 = queries projected directly (DeepSeek-V2-Lite)")
+    kv_lora_rank: int = Field(ge=1)
+    qk_nope_dim: int = Field(ge=1)
+    qk_rope_dim: int = Field(ge=1)
+    v_head_dim: int = Field(ge=1)
 
 
 class ModelSpec(_Frozen):
@@ -77,6 +94,7 @@ class ModelSpec(_Frozen):
     max_positions: int = Field(default=0, ge=0)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     moe: MoESpec | None = None
+    mla: MLASpec | None = None
     # `--params N` with no model: model states use exactly N parameters, dimensions come from the shape above.
     params_override: int | None = Field(default=None, ge=1)
     source: str = ""
@@ -87,6 +105,12 @@ class ModelSpec(_Frozen):
         if isinstance(data, dict):
             data = dict(data)
             heads = data.get("heads")
+            mla = data.get("mla")
+            if mla is not None and heads:
+                # MLA: every head has its own query, key and value (no GQA); head_dim is the query/key width
+                mla = mla if isinstance(mla, dict) else mla.model_dump()
+                data["kv_heads"] = heads
+                data["head_dim"] = data.get("head_dim") or (mla.get("qk_nope_dim", 0) + mla.get("qk_rope_dim", 0))
             if not data.get("kv_heads") and heads:
                 data["kv_heads"] = heads
             if not data.get("head_dim") and heads and data.get("hidden"):
@@ -101,6 +125,17 @@ class ModelSpec(_Frozen):
             raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
         if self.positions == "learned" and self.max_positions < 1:
             raise ValueError("learned positions need max_positions >= 1")
+        if self.moe is not None and self.moe.first_dense_layers >= self.layers:
+            raise ValueError(f"moe first_dense_layers {self.moe.first_dense_layers} leaves no MoE layer of "
+                             f"{self.layers}; valid: 0..{self.layers - 1}")
+        if self.mla is not None:
+            if self.qkv_bias or self.linear_bias:
+                raise ValueError("MLA layers have no biases (DeepSeek-V2/V3): set qkv_bias and linear_bias to false")
+            if self.kv_heads != self.heads:
+                raise ValueError(f"MLA has one key/value per head: kv_heads {self.kv_heads} must equal heads {self.heads}")
+            if self.head_dim != self.mla.qk_nope_dim + self.mla.qk_rope_dim:
+                raise ValueError(f"MLA head_dim {self.head_dim} must be qk_nope_dim + qk_rope_dim = "
+                                 f"{self.mla.qk_nope_dim + self.mla.qk_rope_dim}")
         return self
 
 
@@ -430,6 +465,9 @@ def resolve(
         raise InputError("--vpp > 1 needs --pp > 1 (virtual stages interleave pipeline stages)")
     if t.seq % cp:
         raise InputError(f"--cp {cp} does not divide the sequence length {t.seq}")
+    if m.mla is not None and cp > 1:
+        raise InputError(f"--cp {cp} with {m.name}: context parallelism over multi-head latent attention is not "
+                         "modelled; valid: --cp 1")
     cp_comm = p.cp_comm or CP_COMM_DEFAULT[profile]
     if cp_comm == "p2p" and profile == "deepspeed" and cp > 1:
         raise InputError("--cp-comm p2p: DeepSpeed's sequence parallelism is DeepSpeed-Ulysses (all-to-all, "
@@ -571,6 +609,9 @@ def _check_finetune(m: ModelSpec, t: TrainingSpec) -> None:
     if t.quantize_head and m.tied_embeddings:
         raise InputError(f"--quantize-head: {m.name} ties its LM head to the embedding, which stays unquantized; "
                          f"valid only for models with a separate head")
+    if t.lora_rank is not None and m.mla is not None:
+        raise InputError(f"--lora-rank with {m.name}: LoRA on multi-head latent attention (q_a/q_b/kv_a/kv_b) is not "
+                         "modelled; valid: a model without MLA")
     if t.lora_rank is not None and m.moe is not None and set(lora_projections(t.lora_targets)) - {"q", "k", "v", "o"}:
         raise InputError(f"--lora-targets {t.lora_targets}: adapters on a mixture-of-experts model's MLP are not "
                          f"modelled; valid: attention projections only (attn, qv, or a list of q, k, v, o)")

@@ -14,6 +14,7 @@ from memcalc.cost.params import (
     total_params,
 )
 from memcalc.presets import load_model, model_names, model_preset_data
+from memcalc.specs import HardwareSpec, ParallelSpec, TrainingSpec, resolve
 from tests.conftest import run_of
 
 # DESIGN.md section 3 / issue 2: exact totals the tests must assert.
@@ -106,3 +107,70 @@ def test_tied_embedding_copy_on_last_stage():
     assert sum(stage_params(r1, 0)) == 124_439_808
     total2 = sum(sum(stage_params(r2, s)) for s in range(2))
     assert total2 == 124_439_808 + 50257 * 768
+
+
+# --- multi-head latent attention and first dense layers (DeepSeek) -------------------------------------------
+
+
+def test_deepseek_presets_match_their_published_totals():
+    """DeepSeek-V3 Technical Report sec. 4.2: 671B total, 37B activated per token; DeepSeek-V2 paper sec. 3.1.2:
+    236B total, 21B activated; its appendix B: DeepSeek-V2-Lite 15.7B total, 2.4B activated. Activated = every
+    parameter but the routed experts a token does not visit (top-k of E) and the input embedding table (a lookup):
+    36.6B, 20.9B, 2.45B."""
+    from memcalc.cost.params import dense_mlp_params
+
+    cases = {"deepseek-v3": (671e9, 37e9), "deepseek-v2": (236e9, 21e9), "deepseek-v2-lite": (15.7e9, 2.4e9)}
+    for name, (total, active) in cases.items():
+        m = load_model(name)
+        n = total_params(m)
+        assert abs(n - total) / total < 0.005, name
+        moe_layers = m.layers - m.moe.first_dense_layers
+        idle = moe_layers * (m.moe.experts - m.moe.top_k) * dense_mlp_params(m, m.moe.expert_ffn)
+        assert abs((n - idle - m.vocab * m.hidden) - active) / active < 0.025, name
+    # the exact count: 671,026,404,352 (the checkpoint's further 58 x 256 routing-bias entries are not weights
+    # the optimizer steps)
+    assert total_params(load_model("deepseek-v3")) == 671_026_404_352
+
+
+def test_mla_parameters_by_hand_and_under_tp():
+    """DeepSeek-V2-Lite has no query latent: q is h x a(nope+rope). Per layer (h 2048, 16 heads): q 2048 x 3072,
+    kv_a 2048 x 576, kv norm 512, kv_b 512 x 4096, o 2048 x 2048 = 13,763,072. Under tp 2 the head-split
+    projections halve, kv_a and the latent norm stay whole (Megatron builds them `duplicated`)."""
+    from memcalc.cost.params import attention_params
+
+    m = load_model("deepseek-v2-lite")
+    assert attention_params(m) == 2048 * 3072 + 2048 * 576 + 512 + 512 * 4096 + 2048 * 2048 == 13_763_072
+    assert attention_params(m, 2) == (2048 * 3072 + 512 * 4096 + 2048 * 2048) // 2 + 2048 * 576 + 512
+
+
+def test_first_dense_layers_sit_on_the_first_stage():
+    """DeepSeek-V3 over pp 8 (61 layers: 8, 8, 8, 8, 8, 7, 7, 7): the 3 dense layers are all on stage 0, whose
+    expert parameters are those of 5 MoE layers; interleaved (pp 2 x vpp 2 of a 4-layer, 1-dense model: stage 0
+    holds chunks 0 and 2) the dense layer is stage 0's."""
+    from memcalc.cost.params import stage_dense_layers, stage_layer_params
+
+    m = load_model("deepseek-v3")
+    r = resolve(m, TrainingSpec(), ParallelSpec(gpus=64, pp=8, ep=8), HardwareSpec(name="x", memory_bytes=1))
+    assert [int(stage_dense_layers(r, s)) for s in range(8)] == [3, 0, 0, 0, 0, 0, 0, 0]
+    _, e0 = stage_layer_params(r, 0)
+    _, e1 = stage_layer_params(r, 1)
+    assert e0 * 8 == e1 * 5
+    small = m.model_copy(update={"layers": 4, "moe": m.moe.model_copy(update={"first_dense_layers": 1})})
+    r = resolve(small, TrainingSpec(grad_accum=2), ParallelSpec(gpus=2, pp=2, vpp=2, schedule="interleaved"),
+                HardwareSpec(name="x", memory_bytes=1))
+    assert [int(stage_dense_layers(r, s)) for s in range(2)] == [1, 0]
+
+
+def test_hf_config_with_mla_and_dense_first_layers():
+    """A DeepSeek-V3 config.json (the fields of deepseek-ai/DeepSeek-V3) gives the preset's model."""
+    from memcalc.presets import model_from_hf_config
+
+    cfg = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+           "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+           "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+           "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+           "v_head_dim": 128, "vocab_size": 129280, "max_position_embeddings": 163840, "hidden_act": "silu",
+           "tie_word_embeddings": False}
+    m = model_from_hf_config(cfg, "config.json")
+    assert m.mla == load_model("deepseek-v3").mla and m.moe == load_model("deepseek-v3").moe
+    assert m.head_dim == 192 and total_params(m) == 671_026_404_352

@@ -321,7 +321,7 @@ def test_cli_json_contract():
                          "--global-batch", "32", "--seq", "2048", "--pp", "1,2", "--top", "2", "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert data["schema_version"] == "1.2" and data["kind"] == "plan"
+    assert data["schema_version"] == "1.3" and data["kind"] == "plan"
     assert set(data) == {"schema_version", "kind", "inputs", "search", "plans", "pareto", "advice"}
     assert set(data["search"]) >= {"considered", "rejected", "evaluated", "feasible", "wall_seconds"}
     assert data["inputs"]["bounds"]["pp"] == [1, 2] and data["inputs"]["bounds"]["tp"] == "auto"
@@ -442,3 +442,20 @@ def test_all_to_all_context_parallelism_rules_out_cp_beyond_the_heads():
         assert run.cp_comm == "a2a" and run.cp in (1, 2, 4)
     with pytest.raises(InputError, match="--cp 8 with --cp-comm a2a must divide"):
         build_run(RunOptions(model="llama-3-8b", gpus=16, tp=2, cp=8, profile="megatron", cp_comm="a2a"))
+
+
+def test_mla_moe_plans_skip_cp_and_reproduce_to_the_byte():
+    """DeepSeek-V2-Lite (MLA, first layer dense, 64 experts) on 16 GPUs with ep 4: the search rejects cp > 1 with
+    its own rule (context parallelism over MLA is not modelled) instead of failing, and the bulk peak of random
+    layouts, pipelined ones included (the dense layer on stage 0 only), equals the scalar estimate to the byte."""
+    o = RunOptions(model="deepseek-v2-lite", gpus=16, gpu="h100-sxm-80gb", global_batch=64, seq=4096,
+                   profile="megatron", ep=4)
+    res = search(Request(o, top=4))
+    assert res.space.rejected["cp_mla"] > 0 and "cp_mla" in RULES
+    f = res.feasible
+    rng = np.random.default_rng(3)
+    pick = rng.choice(f.size, size=min(12, f.size), replace=False)
+    assert any(int(res.space.pp[int(f.pair[i])]) > 1 for i in pick)
+    for i in pick:
+        run = build_run(config_options(res, int(f.pair[i]), int(f.combo[i])))
+        assert peak_bytes(run) == int(f.peak[i])

@@ -40,6 +40,25 @@ def llama3_405b(layers: int) -> ModelSpec:
                      ffn=53248, vocab=128256)
 
 
+_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128)
+
+
+def deepseek_v2(layers: int) -> ModelSpec:
+    # run_pretrain_deepseekv2.sh MODEL_TYPE=deepseek_v2: MLA (MLA_ARGS), 160 experts of 1536, top 6, shared
+    # intermediate 3072 (= 2 x 1536), --moe-layer-freq ([0]*1+[1]*(L-1)): the first layer dense (ffn 12288)
+    return ModelSpec(name=f"deepseek-v2-{layers}l", hidden=5120, layers=layers, heads=128, ffn=12288, vocab=102400,
+                     mla=_MLA, moe=dict(experts=160, top_k=6, expert_ffn=1536, shared_experts=2,
+                                        first_dense_layers=1))
+
+
+def deepseek_v3(layers: int) -> ModelSpec:
+    # same script, MODEL_TYPE=deepseek_v3: 256 experts of 2048, top 8, shared 2048; first layer dense (ffn 18432;
+    # the summary: "DeepSeekV3 formal rows use dense_layers=1")
+    return ModelSpec(name=f"deepseek-v3-{layers}l", hidden=7168, layers=layers, heads=128, ffn=18432, vocab=129280,
+                     mla=_MLA, moe=dict(experts=256, top_k=8, expert_ffn=2048, shared_experts=1,
+                                        first_dense_layers=1))
+
+
 # torchtitan llama3 flavors "8B" / "70B" (Llama 3.1 model cards): untied embeddings, RMSNorm, SwiGLU, RoPE
 LLAMA31_8B = ModelSpec(name="llama-3.1-8b", hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
 LLAMA31_70B = ModelSpec(name="llama-3.1-70b", hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=128256)
@@ -49,16 +68,18 @@ H100_96 = HardwareSpec(name="h100-96gb-hbm2e", memory_bytes=96 * 10**9)  # Grand
 
 
 def megatron_alloc_gib(model: ModelSpec, tp: int, pp: int, dp: int, mbc: int, cp: int = 1, seq: int = 4096,
-                       loss: str = "fused") -> float:
+                       loss: str = "fused", ep: int = 1, stage: int | None = None) -> float:
     """run_pretrain_llama3.sh: seq 4096 (SEQ_LEN for the CP rows), micro-batch 1, bf16,
     --accumulate-allreduce-grads-in-fp32, --use-distributed-optimizer, --sequence-parallel, flash attention,
     TransformerEngine, `--recompute-num-layers 0` (no layer recomputed), num_microbatches = mbc; `_cef` =
     --cross-entropy-loss-fusion --cross-entropy-fusion-impl te (SimuMax docs/strategy.md): --loss fused; CP with
     --cp-comm-type a2a (the launcher's CP_COMM_TYPE default)."""
     t = TrainingSpec(seq=seq, micro_batch=1, grad_accum=mbc, precision="bf16", recompute="none", loss=loss)
-    p = ParallelSpec(gpus=tp * pp * dp * cp, tp=tp, pp=pp, cp=cp, zero=1, sp=True,
+    p = ParallelSpec(gpus=tp * pp * dp * cp, tp=tp, pp=pp, cp=cp, ep=ep, zero=1, sp=True,
                      cp_comm="a2a" if cp > 1 else "p2p")
     mem = estimate(resolve(model, t, p, B200, "megatron"), advice=False).memory
+    if stage is not None:
+        return mem.stages[stage].allocated_peak_bytes / GIB
     return max(s.allocated_peak_bytes for s in mem.stages) / GIB
 
 
@@ -105,6 +126,17 @@ SIMUMAX = [
      lambda: megatron_alloc_gib(llama3_70b(12), 1, 1, 1, 4, cp=8, seq=131072)),
     ("simumax-llama3-405b-l4-tp2-cp4-128k", 118.13,
      lambda: megatron_alloc_gib(llama3_405b(4), 2, 1, 1, 4, cp=4, seq=131072)),
+    # the MoE rows: run_pretrain_deepseekv2.sh (MLA, alltoall dispatcher, grouped GEMM, permute fusion), ep x dp
+    # over 8 GPUs, 4 layers. The pp = 2 rows also per stage, from docs/b200/b200_release_v1.2_summary.json
+    # `peak_memory_by_rank_mb` (ranks 0-3 are stage 0: 32,342.7 and 72,948.3 MiB)
+    ("simumax-deepseekv2-l4-tp1-ep8-pp1-dp8", 45.63, lambda: megatron_alloc_gib(deepseek_v2(4), 1, 1, 8, 4, ep=8)),
+    ("simumax-deepseekv2-l4-tp1-ep4-pp2-dp4", 44.70, lambda: megatron_alloc_gib(deepseek_v2(4), 1, 2, 4, 4, ep=4)),
+    ("simumax-deepseekv2-l4-ep4-pp2-stage0", round(32342.72216796875 / 1024, 2),
+     lambda: megatron_alloc_gib(deepseek_v2(4), 1, 2, 4, 4, ep=4, stage=0)),
+    ("simumax-deepseekv3-l4-tp1-ep8-pp1-dp8", 104.30, lambda: megatron_alloc_gib(deepseek_v3(4), 1, 1, 8, 4, ep=8)),
+    ("simumax-deepseekv3-l4-tp1-ep4-pp2-dp4", 114.00, lambda: megatron_alloc_gib(deepseek_v3(4), 1, 2, 4, 4, ep=4)),
+    ("simumax-deepseekv3-l4-ep4-pp2-stage0", round(72948.29345703125 / 1024, 2),
+     lambda: megatron_alloc_gib(deepseek_v3(4), 1, 2, 4, 4, ep=4, stage=0)),
 ]
 
 _TP_2D = ("the FSDP x TP case is 10.5% low; the same run with AsyncTP measured 4.3 GiB less (67.6 GiB), so the "
@@ -190,3 +222,38 @@ def test_megatron_head_backward_and_the_long_context_terms():
     p2p = resolve(llama3_70b(12), t, ParallelSpec(gpus=8, tp=2, cp=4, zero=1, sp=True), B200, "megatron")
     p2p_gib = max(s.allocated_peak_bytes for s in estimate(p2p, advice=False).memory.stages) / GIB
     assert (p2p_gib - 112.67) / 112.67 < -0.02
+
+
+def test_deepseek_rows_model_states_and_the_moe_terms():
+    """The DeepSeek-V2 ep8 case, piece by piece (hand arithmetic; docs/published-measurements.md).
+    Per layer: MLA 149,227,520 parameters (q_down 1536 x 5120 + q_up 24,576 x 1536 + kv_down 576 x 5120 + kv_up
+    32,768 x 512 + proj 5120 x 16,384 + latent norms 1536 + 512) and two RMSNorms of 5120; an MoE layer adds 160 experts x 3 x 5120 x 1536 (split
+    over ep 8: 20 per rank) + 2 shared x 3 x 5120 x 1536 + router 160 x 5120; the dense first layer 3 x 5120 x
+    12,288. Megatron's distributed optimizer: bf16 params and fp32 grads on every rank, 12 B of master + Adam per
+    parameter over the data-parallel group (dp 8 for dense parameters, dp / ep = 1 for experts)."""
+    from memcalc.cost.activations import layer_terms
+    from memcalc.cost.params import attention_params, stage_params
+
+    t = TrainingSpec(seq=4096, micro_batch=1, grad_accum=4, precision="bf16", loss="fused")
+    r = resolve(deepseek_v2(4), t, ParallelSpec(gpus=8, ep=8, zero=1, sp=True), B200, "megatron")
+    assert attention_params(r.model) == 1536 * 5120 + 24576 * 1536 + 576 * 5120 + 32768 * 512 + 5120 * 16384 + 2048 \
+        == 149_227_520
+    dense, expert = stage_params(r, 0)
+    norms = 2 * 5120
+    assert expert == 3 * 20 * 3 * 5120 * 1536
+    moe_dense = 149_227_520 + norms + 2 * 3 * 5120 * 1536 + 160 * 5120
+    assert dense == 3 * moe_dense + (149_227_520 + norms + 3 * 5120 * 12288) + 2 * 102400 * 5120 + 5120
+    mem = estimate(r, advice=False).memory.stages[0].components
+    assert mem["params"] == 2 * (dense + expert) and mem["grads"] == 4 * (dense + expert)
+    assert mem["optimizer"] + mem["master_weights"] == 12 * expert + 12 * (-(-dense // 8))
+    # one MoE layer's saved set (tok = 4096, R = 6 x 4096 routed rows, h 5120, f 1536, E 160, k 6)
+    tok, R, h, f, E, k = 4096, 6 * 4096, 5120, 1536, 160, 6
+    terms = layer_terms(r)
+    mla = (2 * h + 4) + 2 * h + (4 * 1536 + 4) + (4 * 512 + 4) + 2 * 2 * 128 * 192 + 2 * 128 * 128 + 4 * 128 \
+        + 2 * 128 * 128
+    assert mla == 193_036  # bytes per token
+    # the pre-MLP norm (input + rstd), its output, two fp32 softmaxes, two bool masks + two int64 top-k + the int32
+    # row-id map, the shared experts' SwiGLU input (2 x 3072) and fc2 input (3072)
+    moe = (2 * h + 4) + 2 * h + 8 * E + (2 * E + 16 * k + 4 * (2 * E + 1)) + 2 * 3 * 3072
+    routed = 2 * h + 2 * 2 * f + 2 + 2 * f  # fc1 input, weighted SwiGLU input and its probability, fc2 input
+    assert sum(terms.values()) == tok * (mla + moe) + R * routed

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcalc.cost.params import head_params, padded_vocab, stage_layers
+from memcalc.cost.params import first_dense_layers, head_params, padded_vocab, stage_dense_layers, stage_layers
 from memcalc.specs import DTYPE_BYTES, Run, lora_projections
 from memcalc.xp import cdiv, imax, imin, where
 
@@ -195,6 +195,116 @@ def _hf_routed_terms(run: Run, routed: Num) -> dict[str, Num]:
     return out
 
 
+def _qkv_terms(run: Run, out: dict[str, Num], fused_qkv: bool, gqa: bool, eager: bool) -> None:
+    """Q, K, V of standard (MHA / GQA / MQA) attention and the projections' saved input."""
+    m = run.model
+    c, tok, _, tok_in = _shape(run)
+    h, d = m.hidden, m.head_dim
+    heads, kv = m.heads // run.tp, m.kv_heads // run.tp
+    # norm output, input of the QKV projection (Korthikanti: 2sbh); one copy per projection under autocast (one
+    # for a fused QKV matrix)
+    out["qkv_input"] = c * tok_in * h * _input_copies(run, 1 if fused_qkv else 3)
+    out["q"] = c * tok * heads * d
+    # eager attention repeats K/V to all heads before the matmuls that save them (HF repeat_kv; Megatron
+    # unfused DotProductAttention repeat_interleave); flash/SDPA kernels take g heads and save them as is.
+    # Expanded before SDPA (--gqa-impl expand: torchtune modules/attention.py `k.unsqueeze(2).expand(...)
+    # .flatten(1, 2)`, a copy since the expanded view is not contiguous; lit-gpt's fused QKV under GQA): SDPA saves
+    # the all-head copies, and the g-head K/V they came from are freed.
+    expand = eager or (gqa and (fused_qkv or run.training.gqa_impl == "expand"))
+    kv_saved = heads if expand else kv
+    out["k"] = c * tok * kv_saved * d
+    out["v"] = c * tok * kv_saved * d
+    if fused_qkv and not gqa:
+        # lit-gpt: q, k, v are views of the fused projection's output; rotary (torch.cat) makes q and k new
+        # tensors, but V stays a view, so the attention's saved V keeps the whole (q|k|v) buffer alive
+        out["qkv_fused_buffer"] = c * tok * (heads + kv) * d
+
+
+def _latent_norm(run: Run, c: int, tok: Num, w: int) -> Num:
+    """What the RMSNorm of an MLA latent of width w saves and leaves for its up projection (whose saved input it
+    is): Megatron fuses it into TELayerNormColumnParallelLinear, which saves its input, the normalized output
+    and the fp32 rstd (TE layernorm_linear.py); HF's DeepseekV3RMSNorm is the eager fp32 norm (`--norm-impl fp32`,
+    `_norm_saved`): an fp32 copy of the input and rstd, the normalized tensor for the weight's gradient and the
+    product the up projection saves. A fused norm otherwise: input + stats + output."""
+    if run.profile != "megatron" and run.training.norm_impl == "fp32":
+        return 4 * tok * w + 4 * tok + 2 * c * tok * w
+    return 2 * c * tok * w + 4 * tok
+
+
+def _mla_terms(run: Run, out: dict[str, Num]) -> None:
+    """Multi-head latent attention (ModelSpec.mla; DeepSeek-V2 sec. 2.1), H heads per TP rank, per token:
+    - the norm output, saved by the down projections to the latents and the shared rotary key (one tensor; they
+      are replicated over TP, so every TP rank holds all `tok` tokens);
+    - each latent's RMSNorm and its up projection's input (`_latent_norm`); Megatron's TE linear saves a
+      contiguous copy of the kv latent (a `split` view of the kv down projection's output);
+    - the attention's saved Q and K, H x (nope + rope) each: the rotary key part, one per token, is broadcast to
+      every head (Megatron's fused MLA rope kernel, or HF's `expand` + `torch.cat`, writes it into each head);
+      V, H x v: Megatron's fused kernel writes a new value tensor; in HF it is a `split` view of kv_b's output,
+      so the saved view keeps all H x (nope + v) alive;
+    - the fp32 softmax statistics per head (4 H) and the attention output (H x v), the o projection's input.
+    Megatron: megatron/core/transformer/multi_latent_attention.py, fused_mla_yarn_rope_apply.py, TE
+    DotProductAttention (cuDNN fused attention: flash-attn does not take a value width different from the key's).
+    HF: transformers models/deepseek_v3/modeling_deepseek_v3.py DeepseekV3Attention. Read in the source, not
+    measured: the harness does not build MLA."""
+    m = run.model
+    x = m.mla
+    assert x is not None
+    c, tok, _, tok_in = _shape(run)
+    heads = m.heads // run.tp
+    qk = x.qk_nope_dim + x.qk_rope_dim
+    out["qkv_input"] = c * tok_in * m.hidden * _input_copies(run, 2)
+    if x.q_lora_rank:
+        out["mla_q_latent"] = _latent_norm(run, c, tok, x.q_lora_rank)
+    out["mla_kv_latent"] = _latent_norm(run, c, tok, x.kv_lora_rank)
+    out["q"] = c * tok * heads * qk
+    out["k"] = c * tok * heads * qk
+    v_width = x.v_head_dim if run.profile == "megatron" else x.qk_nope_dim + x.v_head_dim
+    out["v"] = c * tok * heads * v_width
+
+
+def _megatron_moe_terms(run: Run, out: dict[str, Num]) -> None:
+    """Megatron-core's MoE layer with the all-to-all dispatcher, TE's fused permutation and grouped GEMM
+    (`--moe-token-dispatcher-type alltoall --moe-permute-fusion --moe-grouped-gemm`), for R = k tok routed rows
+    (balanced routing: every rank receives as many rows as it sends, whatever ep is), per tensor:
+    - the pre-MLP norm's output, read by the router, the shared experts and the permutation (one tensor);
+    - router (router.py): the fp32 softmax over the experts (tok x E) and the auxiliary loss's second one, two bool
+      tok x E routing masks, the int64 top-k indices of the routing and of the auxiliary loss (tok x k each);
+    - TE `moe_permute_with_probs` (permutation.py): the int32 row-id map, tok x (2E + 1), kept for the unpermute;
+    - the experts (experts.py TEGroupedMLP): fc1's input (the dispatched rows, R x h), the weighted SwiGLU's input
+      (R x 2f: the routing probabilities are applied inside the activation, `weighted_bias_swiglu_impl`, which also
+      saves them, R) and fc2's input (R x f); the unpermute and the all-to-alls save nothing;
+    - shared experts (shared_experts.py): a dense MLP of width shared x expert_ffn on every token.
+    Read in Megatron-LM (megatron/core/transformer/moe/) and TransformerEngine at their late-2025 sources; not
+    measured on CPU (the harness runs HF's block). Capacity padding (`--moe-pad-expert-input-to-capacity`) adds
+    E ceil(k tok / E) - k tok rows (0.3% for DeepSeek-V2 at 4096 tokens); group-limited routing's int64 indices
+    (tok x (groups x k/group_topk + group_topk)) are not counted."""
+    m = run.model
+    moe = m.moe
+    assert moe is not None
+    c, tok, _, tok_in = _shape(run)
+    h, k, e = m.hidden, moe.top_k, moe.experts
+    out["mlp_input"] = c * tok_in * h
+    out["moe_router_probs"] = 2 * 4 * tok_in * e
+    out["moe_routing_metadata"] = 2 * tok_in * e + 2 * 8 * tok_in * k + 4 * tok_in * (2 * e + 1)
+    routed = k * tok
+    out["moe_dispatched_input"] = c * routed * h
+    _mlp_terms(run, "moe_expert_", c, routed, moe.expert_ffn, out)
+    out["moe_expert_probs"] = c * routed
+    if moe.shared_experts:
+        _mlp_terms(run, "moe_shared_", c, tok, moe.shared_experts * moe.expert_ffn, out)
+
+
+def megatron_moe_forward_transient(run: Run) -> Num:
+    """The end of a Megatron MoE layer's forward, beyond what it saves: `MoELayer.forward` keeps the permuted rows
+    and the dispatched rows referenced until it returns, beside fc2's output, its un-sorted copy and the combine
+    all-to-all's output (R x h each), and the unpermuted output (tok x h): moe_layer.py / token_dispatcher.py."""
+    m = run.model
+    if m.moe is None or run.profile != "megatron":
+        return 0
+    c, tok, _, _ = _shape(run)
+    return 4 * c * m.moe.top_k * tok * m.hidden + c * tok * m.hidden
+
+
 def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) -> dict[str, Num]:
     """Bytes saved for backward by one transformer layer for one micro-batch on one rank, by named term.
 
@@ -228,21 +338,11 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         out["attn_norm_normalized"] = normalized
     # norm output, input of the QKV projection (Korthikanti: 2sbh); one copy per projection under autocast (one
     # for a fused QKV matrix)
-    out["qkv_input"] = c * tok_in * h * _input_copies(run, 1 if fused_qkv else 3)
-    out["q"] = c * tok * heads * d
-    # eager attention repeats K/V to all heads before the matmuls that save them (HF repeat_kv; Megatron
-    # unfused DotProductAttention repeat_interleave); flash/SDPA kernels take g heads and save them as is.
-    # Expanded before SDPA (--gqa-impl expand: torchtune modules/attention.py `k.unsqueeze(2).expand(...)
-    # .flatten(1, 2)`, a copy since the expanded view is not contiguous; lit-gpt's fused QKV under GQA): SDPA saves
-    # the all-head copies, and the g-head K/V they came from are freed.
-    expand = eager or (gqa and (fused_qkv or run.training.gqa_impl == "expand"))
-    kv_saved = heads if expand else kv
-    out["k"] = c * tok * kv_saved * d
-    out["v"] = c * tok * kv_saved * d
-    if fused_qkv and not gqa:
-        # lit-gpt: q, k, v are views of the fused projection's output; rotary (torch.cat) makes q and k new
-        # tensors, but V stays a view, so the attention's saved V keeps the whole (q|k|v) buffer alive
-        out["qkv_fused_buffer"] = c * tok * (heads + kv) * d
+    if m.mla is not None:
+        _mla_terms(run, out)
+    else:
+        _qkv_terms(run, out, fused_qkv, gqa, eager)
+    d_v = m.mla.v_head_dim if m.mla is not None else d
     # Rotary: q*cos + rotate_half(q)*sin saves only cos/sin (per micro-batch, shared by all layers; counted once
     # per stage in `stage_terms`), not the pre-rotary q/k: nothing per layer.
     if recompute != "selective":
@@ -259,7 +359,7 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
             # sec. 3.1; flash_attn softmax_lse). Attention dropout is regenerated from the saved RNG state.
             out["attn_lse"] = 4 * tok * heads
     # attention output = o-projection input (Korthikanti: 2sbh); flash's saved `out` is this same tensor
-    out["attn_output"] = c * tok * heads * d
+    out["attn_output"] = c * tok * heads * d_v
     if run.cp_comm == "a2a" and recompute != "selective":
         # all-to-all CP (TE AttnFuncWithCPAndQKVOA2A): the kernel's output is head-sharded over the full sequence
         # and goes through a second all-to-all back to sequence sharding, so the o projection's input is a new
@@ -267,11 +367,11 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         # Under selective recompute it is inside the checkpointed core. Source: SimuMax's model of TE's a2a path
         # (simumax/core/config.py `te_cp_a2a_save_pre_posta2a_min_version` = 2.8.0, core/transformer/
         # dense_module.py CoreAttention, e691807), which its B200 measurements bear out; TE's code was not read.
-        out["attn_output_pre_a2a"] = where(run.cp > 1, c * tok * heads * d, 0)
+        out["attn_output_pre_a2a"] = where(run.cp > 1, c * tok * heads * d_v, 0)
     if fused_qkv and not eager:
         # lit-gpt's q and k come out of torch.cat head-major, so the flash output is head-major too and
         # `y.transpose(1, 2).reshape(B, T, C)` copies it: the o projection saves the copy (when it saves its input)
-        out["attn_output_copy"] = c * tok * heads * d
+        out["attn_output_copy"] = c * tok * heads * d_v
     if dropout:
         out["attn_residual_dropout_mask"] = tok_sp * h  # 1 byte per element (Korthikanti: sbh)
     out["residual_adds"] = 0  # an add saves nothing; the residual stream is kept by the next norm's saved input
@@ -286,23 +386,7 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     elif run.profile != "megatron":
         _hf_moe_terms(run, out)
     else:
-        out["mlp_input"] = c * tok_in * h
-        k = moe.top_k
-        # Megatron (megatron/core/transformer/moe/router.py, token_dispatcher.py), not measured here (the harness
-        # runs HF's block; no published Megatron MoE peak is compared yet): fp32 softmax over experts, then top-k
-        # indices (int64) and weights (fp32) per token.
-        out["moe_router_probs"] = 4 * tok_in * moe.experts
-        out["moe_routing_metadata"] = 12 * tok_in * k
-        # Balanced routing: the EP all-to-all delivers k*tok tokens to each rank, whatever ep is (each rank sends
-        # k*tok token copies and receives as many); with TP each rank of the group runs its FFN slice on all of
-        # them. The permuted tokens are saved by the experts' first matmul.
-        routed = k * tok
-        out["moe_dispatched_input"] = c * routed * h
-        _mlp_terms(run, "moe_expert_", c, routed, moe.expert_ffn, out)
-        # combine: the expert outputs are saved by the multiplication with the routing weights (unpermute)
-        out["moe_combine"] = c * routed * h
-        if moe.shared_experts:
-            _mlp_terms(run, "moe_shared_", c, tok, moe.shared_experts * moe.expert_ffn, out)
+        _megatron_moe_terms(run, out)
     if dropout:
         out["mlp_residual_dropout_mask"] = tok_sp * h
     if run.training.lora_rank is not None:
@@ -803,7 +887,8 @@ def _offloaded_layer_at(parts: tuple[Num, ...], k: Num) -> Num:
 
 # terms saved in forward up to and including the attention core; the rest of a layer (output projection, MLP,
 # their norms and masks) is saved after it, so its backward runs (and frees them) before the core's
-_UP_TO_CORE = ("attn_norm", "attn_norm_normalized", "qkv_input", "q", "k", "v", "qkv_fused_buffer", "attn_softmax",
+_UP_TO_CORE = ("attn_norm", "attn_norm_normalized", "qkv_input", "mla_q_latent", "mla_kv_latent", "q", "k", "v",
+               "qkv_fused_buffer", "attn_softmax",
                "attn_dropout_mask", "attn_dropout_output", "attn_lse", "lora_attn_low_rank", "lora_dropout_qkv",
                "lora_dropout_qkv_mask", "lora_qkv_zero_pad")
 _CORE = ("attn_softmax", "attn_dropout_mask", "attn_dropout_output", "attn_lse")
@@ -958,6 +1043,8 @@ def layer_backward_transient(run: Run) -> Num:
     stream = _residual_grad_bytes(run)
     if m.moe is not None and run.profile != "megatron":
         return stream + _hf_moe_backward_transient(run)
+    if run.profile == "megatron" and run.training.lora_rank is None and not _dequantizes(run.training):
+        return stream + imax(_megatron_mlp_backward(run), megatron_attention_backward(run))
     if m.moe is None:
         tokens, ffn = tok, m.ffn
     else:
@@ -973,6 +1060,41 @@ def layer_backward_transient(run: Run) -> Num:
     if _dequantizes(run.training) and _down_adapted(run):
         adapter = c * tokens * f_t - _down_adapter_saved(run, tokens, f_t)
     return stream + imax(factors * c * tokens * f_t, c * tokens * f_t + dq + adapter)
+
+
+def _megatron_mlp_backward(run: Run) -> Num:
+    """Megatron's MLP backward beyond its saved set: a dense SwiGLU's 2 c tok f/t (GELU c tok f/t) as
+    `layer_backward_transient` derives it; for MoE (`_megatron_moe_terms`) the unpermute's, combine all-to-all's
+    and un-sort's gradients of the routed rows, two R x h at once (fc2's dgrad, R x f, and the SwiGLU's, R x 2f,
+    come after, with fc2's saved input freed: smaller while f < h)."""
+    m = run.model
+    c, tok, _, _ = _shape(run)
+    if m.moe is None:
+        return (2 if m.mlp == "swiglu" else 1) * c * tok * cdiv(m.ffn, run.tp)
+    routed = m.moe.top_k * tok
+    f_t = cdiv(m.moe.expert_ffn, run.tp)
+    return imax(2 * c * routed * m.hidden, c * routed * m.hidden + 2 * c * routed * f_t)
+
+
+def megatron_attention_backward(run: Run) -> Num:
+    """The attention core's backward in Megatron (TE fused attention), relative to the layer's saved set: the
+    MLP's saved terms and norm are freed by then (its backward runs first); live are the output projection's input
+    gradient (H v), the kernel's dQ, dK, dV (H (2 qk + v), K/V per KV head) and cuDNN's fp32 dQ accumulator
+    (H qk) with its fp32 softmax sum (H): cudnn-frontend's SDPA backward node, TE backends.py FusedAttnFunc.
+    Read in the source, not measured (no GPU here); it is the layer's highest moment only where the MLP's saved set
+    is small next to these buffers (MLA's wide heads with a fine-grained MoE)."""
+    m = run.model
+    if run.training.attention == "eager":
+        return _NEVER
+    c, tok, _, _ = _shape(run)
+    heads, kv = m.heads // run.tp, m.kv_heads // run.tp
+    qk = m.head_dim
+    v = m.mla.v_head_dim if m.mla is not None else m.head_dim
+    after_core = ("mlp_norm", "mlp_norm_normalized", "mlp_input")
+    terms = layer_terms(run, "none")
+    mlp_saved = _sum({k: x for k, x in terms.items() if k in after_core or k.startswith(("mlp_", "moe_"))})
+    buffers = c * tok * (heads * v + heads * qk + kv * (qk + v)) + 4 * tok * heads * (qk + 1)
+    return buffers - mlp_saved
 
 
 def _hf_moe_backward_transient(run: Run) -> Num:
@@ -1013,6 +1135,21 @@ def _hf_moe_backward_transient(run: Run) -> Num:
     fs = moe.shared_experts * f
     shared = (2 if m.mlp == "swiglu" else 1) * c * tok * fs
     return imax(shared, big + routed)
+
+
+_NEVER = -(1 << 62)  # a moment that does not occur (a maximum ignores it)
+
+
+def _sum(terms: dict[str, Num]) -> Num:
+    total = 0
+    for v in terms.values():
+        total = total + v
+    return total
+
+
+def dense_layer_run(run: Run) -> Run:
+    """The run as one of its MoE model's first dense layers sees it: the same model with a dense MLP of m.ffn."""
+    return dataclasses.replace(run, model=run.model.model_copy(update={"moe": None}))
 
 
 def _residual_grad_bytes(run: Run) -> Num:
@@ -1077,6 +1214,28 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         # after the unit's plain layers of this micro-batch have freed their activations (offloaded: they were
         # never all resident, the window below stands for them)
         remat = where(ck > 0, _remat_net(mode, plain, kept_bytes) - (0 if off else plain_layers * plain_bytes), 0)
+    # an MoE model's first dense layers (MoESpec.first_dense_layers) on this stage: the stage's first layers, so
+    # checkpointed first (block method); their saved sets replace MoE ones. Interleaved: counted as MoE layers.
+    dense_at = 0  # a dense layer's backward moment, relative to the first layer's (held minus the stage's MoE layers)
+    if first_dense_layers(m) and run.schedule != "interleaved":
+        nd = stage_dense_layers(run, stage)
+        nd_ck = imin(nd, ck)
+        nd_plain = nd - nd_ck
+        drun = dense_layer_run(run)
+        d_plain = layer_terms(drun, "none")
+        d_plain_bytes = _sum(d_plain)
+        for key in set(d_plain) | set(plain):
+            detail[key] = detail.get(key, 0) + (d_plain.get(key, 0) - plain.get(key, 0)) * nd_plain * units
+        unit_bytes = unit_bytes + nd_plain * (d_plain_bytes - plain_bytes)
+        if mode != "none":
+            d_kept = layer_terms(drun, mode)
+            for key in set(d_kept) | set(kept):
+                detail[key] = detail.get(key, 0) + (d_kept.get(key, 0) - kept.get(key, 0)) * nd_ck * units
+            unit_bytes = unit_bytes + nd_ck * (_sum(d_kept) - kept_bytes)
+        # backward reaches the dense layers last: this micro-batch's MoE layers have freed their saved sets
+        moe_freed = (plain_layers - nd_plain) * plain_bytes + (ck - nd_ck) * kept_bytes
+        dense_at = where(nd > 0, layer_backward_transient(drun) - moe_freed + where(nd_plain > 0, 0, _remat_net(
+            mode, d_plain, _sum(layer_terms(drun, mode))) if mode != "none" else 0), _NEVER)
     # activation offloading (`offload_activations`): every layer's saved set goes to host memory; the GPU keeps
     # the last layer run (`w_last`) and the one before it (`w_prev`: in forward its copy to the host is in flight
     # until the next layer's forward ends; in backward it is reloaded while the current layer's backward runs).
@@ -1187,6 +1346,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         at_layer = imax(layer_tr, remat)  # the core comes back after the MLP's backward
     else:
         at_layer = layer_tr
+    if first_dense_layers(m) and run.schedule != "interleaved":
+        at_layer = imax(at_layer, dense_at)
     # the logits at the LM head's matmul; a model that returns them upcast (`--keep-logits fp32`) makes the fp32
     # copy right there, while the loop still holds the previous micro-batch's (in `base`)
     logits = where(last, (c + (4 if tr.keep_logits == "fp32" and c < 4 else 0)) * _logit_elems(run), 0)
@@ -1195,7 +1356,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # quantized down projection's matmul just before: its output and dequantized weight, and, when the layer is
     # checkpointed, its input (not saved in the no-grad forward)
     down_out = c * tok_all * m.hidden
-    layer_out = down_out + where(last, s_h, 0)
+    layer_out = imax(down_out, megatron_moe_forward_transient(run)) + where(last, s_h, 0)
     if _dequantizes(tr) and tr.base_dtype == "nf4":
         layer_out = imax(layer_out, down_out + dq_fwd + _down_matmul_extra(run, mode, plain_layers))
     if off:

@@ -28,9 +28,11 @@ from memcalc.cost.params import (
     embedding_params,
     first_backward_grad_elems,
     head_params,
+    dense_layer_params,
+    first_dense_layers,
     layer_params,
     layer_tensor_shapes,
-    matrix_shapes,
+    attention_matrix_shapes,
     norm_params,
     padded_shard_elems,
     stage_tensor_shapes,
@@ -38,6 +40,8 @@ from memcalc.cost.params import (
     zero1_rank_elems,
     root_tensor_shapes,
     shape_params,
+    stage_dense_layers,
+    stage_layer_params,
     stage_layers,
     stage_param_split,
     stage_params,
@@ -130,6 +134,8 @@ def stage_units(run: Run, stage: Num) -> tuple[Num, Num]:
     else:
         head_unit = head
     largest = imax(layer, imax(where(first, emb, 0), where(last, head_unit, 0)))
+    if first_dense_layers(m):  # an MoE model's first dense layers, on the stages that hold them
+        largest = imax(largest, where(stage_dense_layers(run, stage) > 0, dense_layer_params(m, tp), 0))
     return _scaled(run, largest), _scaled(run, layer)
 
 
@@ -169,14 +175,33 @@ def _matmul_weight_elems(run: Run, stage: Num) -> Num:
     return _stage_elems(run, stage) - where(stage == 0, emb, 0) - norms
 
 
-def _te_dummy_wgrad_elems(run: Run) -> Num:
+def _te_dummy_wgrad_elems(run: Run, stage: Num = 0) -> Num:
     """One dummy wgrad per distinct weight shape: TE caches `get_dummy_wgrad(shape, dtype)` per (shape, dtype)
-    (transformer_engine/pytorch/module/base.py) and every layer has the same fused qkv, proj, fc1 and fc2 shapes,
-    so the cache holds one layer's linear weights (per TP rank). Shapes come from the model's dimensions (not
-    scaled by `--params`)."""
+    (transformer_engine/pytorch/module/base.py), so the cache holds one of each TE linear weight the stage runs
+    (per TP rank): the fused qkv (or MLA's five projections) and proj, fc1 and fc2 of the MLP; with MoE those of
+    an expert (TE GroupedLinear), of the shared experts when their width differs, and of the first dense layers'
+    MLP on the stages that hold one. Shapes come from the model's dimensions (not scaled by `--params`)."""
+    m = run.model
+    attn = attention_matrix_shapes(m, run.tp)
     total = 0
-    for rows, cols, count in matrix_shapes(run.model, run.tp):
-        total = total + rows * cols * count
+    for rows, cols, count in attn:
+        total = total + rows * cols * count  # q + 2 kv = the fused qkv's elements
+    n_in = 2 if m.mlp == "swiglu" else 1
+
+    def mlp(ffn: int) -> Num:
+        f_t = ffn // run.tp
+        return (n_in + 1) * f_t * m.hidden  # fc1 (gate and up fused) and fc2
+
+    if m.moe is None:
+        return total + mlp(m.ffn)
+    widths = {m.moe.expert_ffn}
+    total = total + mlp(m.moe.expert_ffn)
+    fs = m.moe.shared_experts * m.moe.expert_ffn
+    if fs and fs not in widths:
+        widths.add(fs)
+        total = total + mlp(fs)
+    if m.moe.first_dense_layers and m.ffn not in widths:
+        total = total + where(stage_dense_layers(run, stage) > 0, mlp(m.ffn), 0)
     return total
 
 
@@ -354,7 +379,8 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     m = run.model
     layer = _scaled(run, padded_shard_elems(layer_tensor_shapes(run), 1))
     layer_flat, root_flat = _fsdp_flat_units(run, stage)
-    root = imax(n - stage_layers(m, run.pp, stage) * layer, 0)
+    dense_s, expert_s = stage_layer_params(run, stage)
+    root = imax(n - _scaled(run, dense_s + expert_s), 0)
     stage_flat = _scaled(run, d * padded_shard_elems(stage_tensor_shapes(run, stage), d))
     share_num, share_den = n_train, imax(n, 1)  # only trainable parameters produce gradients (LoRA / --freeze)
     # not at backward_end: the root's post-backward reshards it before its reduce-scatter, like every unit's
@@ -438,7 +464,7 @@ def _megatron_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         return {}  # frozen base weights compute no wgrad; adapters are not TE linears
     return {
         "te_dummy_wgrads": Buffer(
-            pb * _te_dummy_wgrad_elems(run), ALL_PHASES, "TE dummy wgrad cache, one per weight shape"
+            pb * _te_dummy_wgrad_elems(run, stage), ALL_PHASES, "TE dummy wgrad cache, one per weight shape"
         )
     }
 

@@ -68,6 +68,7 @@ from memcalc.cost.params import (
     root_tensor_shapes,
     shape_params,
     stage_first_layer,
+    stage_layer_params,
     stage_layers,
     stage_param_split,
     stage_params,
@@ -285,8 +286,8 @@ def _root_params(run: Run, stage: Num, total: Num) -> Num:
     """Parameters of the stage outside the transformer layers (embedding, final norm, LM head): FSDP2's root
     module when every layer is its own `fully_shard` unit."""
     m = run.model
-    dense_l, expert_l = layer_params(m, run.tp, run.ep)
-    in_layers = stage_layers(m, run.pp, stage) * (dense_l + expert_l)
+    dense_s, expert_s = stage_layer_params(run, stage)
+    in_layers = dense_s + expert_s
     if m.params_override is not None:
         in_layers = muldiv(in_layers, m.params_override, shape_params(m))
     return imax(total - in_layers, 0)

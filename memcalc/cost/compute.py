@@ -29,7 +29,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from memcalc.cost.params import lora_layer_params, matrix_shapes, stage_layers
+from memcalc.cost.params import (
+    attention_matrix_shapes,
+    first_dense_layers,
+    lora_layer_params,
+    mlp_matrix_shapes,
+    stage_layers,
+)
 from memcalc.errors import InputError
 from memcalc.specs import Run, freeze_layers
 from memcalc.xp import imin
@@ -67,19 +73,35 @@ def matmul_weights_per_token(run: Run) -> int:
     """Weight elements of one layer's matmuls that one token passes through (whole model, no TP split).
     `matrix_shapes` lists q, k+v, o (attention) then the MLP matrices; for MoE the MLP entries are one expert."""
     m = run.model
-    shapes = matrix_shapes(m, 1)
-    attn = sum(r * c * k for r, c, k in shapes[:3])
-    mlp = sum(r * c * k for r, c, k in shapes[3:])
+    attn = sum(r * c * k for r, c, k in attention_matrix_shapes(m, 1))
+    mlp = sum(r * c * k for r, c, k in mlp_matrix_shapes(m, m.ffn if m.moe is None else m.moe.expert_ffn, 1))
     if m.moe is not None:
         # router (h x E) + the top-k routed experts + the shared experts (Fedus et al. 2021; Mixtral/DeepSeek-MoE)
         mlp = m.hidden * m.moe.experts + (m.moe.top_k + m.moe.shared_experts) * mlp
     return attn + mlp
 
 
-def attention_core_flops_per_token(run: Run) -> int:
-    """QK^T + AV of one layer, forward, per token: 2*s*(a*d) each (Narayanan et al. 2021 sec. 5.1)."""
+def _dense_layer_weights_per_token(run: Run) -> int:
+    """Like `matmul_weights_per_token` for one of an MoE model's first dense layers (an MLP of width m.ffn)."""
     m = run.model
-    return 4 * run.seq * m.heads * m.head_dim
+    return sum(r * c * k for r, c, k in attention_matrix_shapes(m, 1) + mlp_matrix_shapes(m, m.ffn, 1))
+
+
+def weights_per_token_from(run: Run, start: int) -> int:
+    """Matmul weight elements one token passes through in layers start..L-1: MoE layers, and the model's first
+    dense layers (MoESpec.first_dense_layers) where they fall in that range."""
+    m = run.model
+    k = first_dense_layers(m)
+    n_dense = max(k - start, 0)
+    return (m.layers - max(start, k)) * matmul_weights_per_token(run) + n_dense * _dense_layer_weights_per_token(run)
+
+
+def attention_core_flops_per_token(run: Run) -> int:
+    """QK^T + AV of one layer, forward, per token: 2*s*(a*d) each (Narayanan et al. 2021 sec. 5.1); with MLA the
+    scores use the query/key width (nope + rope) and AV the value width."""
+    m = run.model
+    v = m.mla.v_head_dim if m.mla is not None else m.head_dim
+    return 2 * run.seq * m.heads * (m.head_dim + v)
 
 
 def lora_flops_per_token(run: Run) -> int:
@@ -101,7 +123,10 @@ def head_forward_flops_per_token(run: Run) -> int:
 
 
 def forward_flops_per_token(run: Run) -> int:
-    return run.model.layers * layer_forward_flops_per_token(run) + head_forward_flops_per_token(run)
+    m = run.model
+    return (2 * weights_per_token_from(run, 0) + m.layers * (attention_core_flops_per_token(run)
+                                                          + lora_flops_per_token(run))
+            + head_forward_flops_per_token(run))
 
 
 def backward_flops_per_token(run: Run) -> int:
@@ -111,18 +136,18 @@ def backward_flops_per_token(run: Run) -> int:
     GEMM; with the embeddings and the first K layers frozen, backward stops at layer K (nothing below needs a
     gradient); LoRA trains the adapters only."""
     m, t = run.model, run.training
-    w2 = 2 * matmul_weights_per_token(run)
     att = attention_core_flops_per_token(run)
     lora = lora_flops_per_token(run)
     head = head_forward_flops_per_token(run)
     L = m.layers
     if t.lora_rank is not None:
-        return L * (w2 + 2 * att + lora) + head + L * lora
+        return 2 * weights_per_token_from(run, 0) + L * (2 * att + lora) + head + L * lora
     k = freeze_layers(t)
     emb_frozen = "embeddings" in t.freeze
     head_trainable = not (emb_frozen if m.tied_embeddings else "head" in t.freeze)
-    through = L - (k if emb_frozen else 0)
-    return through * (w2 + 2 * att) + head + (L - k) * w2 + (head if head_trainable else 0)
+    start = k if emb_frozen else 0
+    return (2 * weights_per_token_from(run, start) + (L - start) * 2 * att + head
+            + 2 * weights_per_token_from(run, k) + (head if head_trainable else 0))
 
 
 def model_flops_per_token(run: Run) -> int:

@@ -35,6 +35,8 @@ def norm_params(m: ModelSpec) -> int:
 
 def attention_params(m: ModelSpec, tp: Num = 1) -> Num:
     """Q, K, V, O weights (and biases) on one TP rank."""
+    if m.mla is not None:
+        return _mla_params(m, tp)
     h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
     col = h * a * d + 2 * h * g * d  # q, k, v: split by tp
     if m.qkv_bias:
@@ -42,6 +44,25 @@ def attention_params(m: ModelSpec, tp: Num = 1) -> Num:
     row = a * d * h  # o: split by tp
     rep = h if m.linear_bias else 0  # o bias: replicated
     return (col + row) // tp + rep
+
+
+def _mla_params(m: ModelSpec, tp: Num = 1) -> Num:
+    """Multi-head latent attention on one TP rank (shapes: HF modeling_deepseek_v3.py DeepseekV3Attention, Megatron
+    multi_latent_attention.py): q_a (h x q_lora) + its RMSNorm + q_b (q_lora x a*(nope+rope)), or one q
+    (h x a*(nope+rope)) without a query latent; kv_a (h x (kv_lora + rope)) + its RMSNorm + kv_b
+    (kv_lora x a*(nope+v)); o (a*v x h). The down projections and the latent norms are replicated across TP
+    (Megatron builds them `duplicated`), the up projections split by heads (column-parallel), o row-parallel."""
+    a, h, x = m.heads, m.hidden, m.mla
+    assert x is not None
+    qk = x.qk_nope_dim + x.qk_rope_dim
+    rep = h * (x.kv_lora_rank + x.qk_rope_dim) + x.kv_lora_rank
+    split = x.kv_lora_rank * a * (x.qk_nope_dim + x.v_head_dim) + a * x.v_head_dim * h
+    if x.q_lora_rank:
+        rep += h * x.q_lora_rank + x.q_lora_rank
+        split += x.q_lora_rank * a * qk
+    else:
+        split += h * a * qk
+    return split // tp + rep
 
 
 def dense_mlp_params(m: ModelSpec, ffn: int, tp: Num = 1) -> Num:
@@ -71,6 +92,45 @@ def layer_params(m: ModelSpec, tp: Num = 1, ep: Num = 1) -> tuple[Num, Num]:
         return dense + dense_mlp_params(m, m.ffn, tp), 0
     d, e = moe_params(m, tp, ep)
     return dense + d, e
+
+
+def dense_layer_params(m: ModelSpec, tp: Num = 1) -> Num:
+    """One of an MoE model's first dense layers (MoESpec.first_dense_layers): attention, two norms and an MLP of
+    width m.ffn, all dense."""
+    return attention_params(m, tp) + 2 * norm_params(m) + dense_mlp_params(m, m.ffn, tp)
+
+
+def first_dense_layers(m: ModelSpec) -> int:
+    return m.moe.first_dense_layers if m.moe is not None else 0
+
+
+def stage_dense_layers(run: Run, stage: Num) -> Num:
+    """How many of the stage's layers (of one rank, all its model chunks) are the model's first dense layers of an
+    MoE model (DeepSeek's `first_k_dense_replace`); 0 otherwise. Interleaved: stage s holds chunks s, s+pp, ... of
+    L/(pp*vpp) layers each, so the K dense layers fill chunks 0..K//c-1 and part of chunk K//c."""
+    m = run.model
+    k = first_dense_layers(m)
+    if not k:
+        return 0 * stage
+    if run.schedule == "interleaved":
+        c = m.layers // (run.pp * run.vpp)
+        q, r = k // c, k % c
+        full = imax((q - stage + run.pp - 1) // run.pp, 0)  # chunks g < q with g = stage (mod pp)
+        return full * c + where(q % run.pp == stage, r, 0)
+    first = stage_first_layer(m, run.pp, stage)
+    return imax(imin(k - first, stage_layers(m, run.pp, stage)), 0)
+
+
+def stage_layer_params(run: Run, stage: Num) -> tuple[Num, Num]:
+    """(dense, expert) parameters of the stage's transformer layers on one rank, after TP and EP sharding and
+    before `--params` scaling: its MoE layers and, on the stages that hold them, the model's first dense layers."""
+    m = run.model
+    dense_l, expert_l = layer_params(m, run.tp, run.ep)
+    n = stage_layers(m, run.pp, stage)
+    nd = stage_dense_layers(run, stage)
+    if not first_dense_layers(m):
+        return n * dense_l, n * expert_l
+    return (n - nd) * dense_l + nd * dense_layer_params(m, run.tp), (n - nd) * expert_l
 
 
 def padded_vocab(m: ModelSpec, profile: str, tp: Num = 1) -> Num:
@@ -105,7 +165,8 @@ def shape_params(m: ModelSpec) -> int:
     dense, expert = layer_params(m)
     emb = embedding_params(m)
     head = 0 if m.tied_embeddings else head_params(m)
-    return m.layers * (dense + expert) + emb + norm_params(m) + head
+    k = first_dense_layers(m)
+    return (m.layers - k) * (dense + expert) + k * dense_layer_params(m) + emb + norm_params(m) + head
 
 
 def stage_layers(m: ModelSpec, pp: Num, stage: Num) -> Num:
@@ -118,16 +179,14 @@ def stage_params(run: Run, stage: Num) -> tuple[Num, Num]:
     before any ZeRO sharding. With `--params N`, scaled so that the whole model has exactly N."""
     m = run.model
     tp, pp = run.tp, run.pp
-    dense_l, expert_l = layer_params(m, tp, run.ep)
-    n = stage_layers(m, pp, stage)
+    dense_layers, expert = stage_layer_params(run, stage)
     first = stage == 0
     last = stage == pp - 1
     emb = embedding_params(m, run.profile, tp)
     head = head_params(m, run.profile, tp)
     # tied embeddings share one matrix only when first and last stage are the same rank
     head_here = head if not m.tied_embeddings else where(first, 0, head)
-    dense = n * dense_l + where(first, emb, 0) + where(last, norm_params(m) + head_here, 0)
-    expert = n * expert_l
+    dense = dense_layers + where(first, emb, 0) + where(last, norm_params(m) + head_here, 0)
     if m.params_override is not None:
         scale_num, scale_den = m.params_override, shape_params(m)
         return muldiv(dense, scale_num, scale_den), muldiv(expert, scale_num, scale_den)
@@ -141,26 +200,39 @@ def largest_unit_params(run: Run) -> Num:
     dense_l, expert_l = layer_params(m, run.tp, run.ep)
     emb = embedding_params(m, run.profile, run.tp)
     layer = dense_l + expert_l
+    if first_dense_layers(m):
+        layer = imax(layer, dense_layer_params(m, run.tp))
     biggest = where(emb > layer, emb, layer)
     if m.params_override is not None:
         return muldiv(biggest, m.params_override, shape_params(m))
     return biggest
 
 
-def matrix_shapes(m: ModelSpec, tp: Num = 1) -> list[tuple[Num, Num, int]]:
-    """(rows, cols, count per layer) of each weight matrix of a dense layer on one TP rank (for Adafactor's
-    factored second moment), plus the vectors as (n, 1, count)."""
+def attention_matrix_shapes(m: ModelSpec, tp: Num = 1) -> list[tuple[Num, Num, int]]:
+    """(rows, cols, count per layer) of the attention's weight matrices on one TP rank: q; k and v; o, or MLA's
+    q_a, q_b (or q), kv_a, kv_b, o (`_mla_params`; the down projections replicated)."""
     h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
-    ffn = m.ffn if m.moe is None else m.moe.expert_ffn
+    x = m.mla
+    if x is None:
+        return [(a * d // tp, h, 1), (g * d // tp, h, 2), (h, a * d // tp, 1)]
+    qk = x.qk_nope_dim + x.qk_rope_dim
+    q = [(x.q_lora_rank, h, 1), (a * qk // tp, x.q_lora_rank, 1)] if x.q_lora_rank else [(a * qk // tp, h, 1)]
+    return q + [(x.kv_lora_rank + x.qk_rope_dim, h, 1), (a * (x.qk_nope_dim + x.v_head_dim) // tp, x.kv_lora_rank, 1),
+                (h, a * x.v_head_dim // tp, 1)]
+
+
+def mlp_matrix_shapes(m: ModelSpec, ffn: int, tp: Num = 1) -> list[tuple[Num, Num, int]]:
+    """(rows, cols, count) of one MLP's matrices (a dense MLP or one expert) on one TP rank: gate/up (or fc);
+    down."""
     n_in = 2 if m.mlp == "swiglu" else 1
-    shapes: list[tuple[Num, Num, int]] = [
-        (a * d // tp, h, 1),
-        (g * d // tp, h, 2),
-        (h, a * d // tp, 1),
-        (ffn // tp, h, n_in),
-        (h, ffn // tp, 1),
-    ]
-    return shapes
+    return [(ffn // tp, m.hidden, n_in), (m.hidden, ffn // tp, 1)]
+
+
+def matrix_shapes(m: ModelSpec, tp: Num = 1) -> list[tuple[Num, Num, int]]:
+    """(rows, cols, count per layer) of each weight matrix of a layer on one TP rank (for Adafactor's factored
+    second moment, FLOPs and TE's dummy wgrads): the attention's, then one MLP's (for MoE, one expert)."""
+    ffn = m.ffn if m.moe is None else m.moe.expert_ffn
+    return attention_matrix_shapes(m, tp) + mlp_matrix_shapes(m, ffn, tp)
 
 
 # --- fine-tuning: LoRA adapters, frozen and quantized base weights (issue 7) ---------------------------------
@@ -187,10 +259,11 @@ def layer_matrix_stats(m: ModelSpec, tp: Num = 1, ep: Num = 1) -> tuple[Num, Num
     """(weight elements, weight rows, number of matrices) of one layer's linear weights on one rank: what a
     weight-only quantizer (bitsandbytes Linear4bit / Linear8bitLt) replaces; norms and biases stay unquantized."""
     shapes = matrix_shapes(m, tp)
+    n_attn = len(attention_matrix_shapes(m, tp))
     n_mlps = 1 if m.moe is None else m.moe.experts // ep + m.moe.shared_experts
     elems, rows, count_total = 0, 0, 0
     for i, (r, c, count) in enumerate(shapes):
-        k = count * (n_mlps if i >= 3 else 1)
+        k = count * (n_mlps if i >= n_attn else 1)
         elems, rows, count_total = elems + k * r * c, rows + k * r, count_total + k
     return elems, rows, count_total
 
@@ -246,6 +319,10 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
     start = stage_first_layer(m, run.pp, stage)
     frozen_here = imin(imax(k - start, 0), n_layers)
     frozen = frozen_here * (dense_l + expert_l)
+    if first_dense_layers(m):  # the frozen layers that are the model's first dense ones replace MoE layers
+        frozen_dense = imin(imax(imin(k, first_dense_layers(m)) - start, 0), n_layers)
+        frozen = frozen + frozen_dense * (dense_layer_params(m, run.tp) - dense_l - expert_l)
+        frozen_here = frozen_here - frozen_dense  # MoE layers frozen (their experts)
     if "embeddings" in t.freeze:
         frozen = frozen + where(stage == 0, embedding_params(m, run.profile, run.tp), 0)
     if "head" in t.freeze and not m.tied_embeddings:
@@ -272,17 +349,25 @@ def first_backward_grad_elems(run: Run, stage: Num) -> tuple[Num, Num]:
 def layer_tensor_shapes(run: Run) -> list[tuple[Num, Num, Num]]:
     """(dim0, elements per dim0 row, count) of the parameter tensors of one transformer layer after TP sharding."""
     m, tp = run.model, run.tp
-    h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
-    nrm = 2 if m.norm == "layernorm" else 1
     if m.moe is not None:  # MoE: one flat tensor per layer (an approximation: FSDP2 pads per tensor)
         dense_l, expert_l = layer_params(m, tp, run.ep)
         return [(dense_l + expert_l, 1, 1)]
+    return _dense_layer_tensor_shapes(m, tp)
+
+
+def _dense_layer_tensor_shapes(m: ModelSpec, tp: Num) -> list[tuple[Num, Num, Num]]:
+    """layer_tensor_shapes of a layer with a dense MLP of width m.ffn (a dense model's, or an MoE model's first
+    dense layers)."""
+    h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
+    nrm = 2 if m.norm == "layernorm" else 1
+    per_layer: list[tuple[Num, Num, Num]] = [(r, c, k) for r, c, k in attention_matrix_shapes(m, tp)]
+    per_layer += [(r, c, k) for r, c, k in mlp_matrix_shapes(m, m.ffn, tp)]  # gate/up (or fc); down
+    per_layer.append((h, 1, 2 * nrm))  # two norms (weight, + bias for LayerNorm)
+    if m.mla is not None:
+        per_layer.append((m.mla.kv_lora_rank, 1, 1))  # the latents' RMSNorms
+        if m.mla.q_lora_rank:
+            per_layer.append((m.mla.q_lora_rank, 1, 1))
     n_in = 2 if m.mlp == "swiglu" else 1
-    per_layer = [
-        (a * d // tp, h, 1), (g * d // tp, h, 2), (h, a * d // tp, 1),  # q; k, v; o (row-parallel: dim0 = h)
-        (m.ffn // tp, h, n_in), (h, m.ffn // tp, 1),  # gate/up (or fc); down
-        (h, 1, 2 * nrm),  # two norms (weight, + bias for LayerNorm)
-    ]
     if m.qkv_bias:
         per_layer += [(a * d // tp, 1, 1), (g * d // tp, 1, 2)]
     if m.linear_bias:
@@ -312,7 +397,10 @@ def stage_tensor_shapes(run: Run, stage: Num) -> list[tuple[Num, Num, Num]]:
     along dim 0 and pads dim 0 to a multiple of the shard group (torch/distributed/fsdp/_fully_shard/
     _fsdp_param.py `_init_sharded_param`), so its shards are sum(count * ceil(dim0 / D) * row) elements."""
     n_layers = stage_layers(run.model, run.pp, stage)
-    shapes = [(d0, row, c * n_layers) for d0, row, c in layer_tensor_shapes(run)]
+    n_dense = stage_dense_layers(run, stage)
+    shapes = [(d0, row, c * (n_layers - n_dense)) for d0, row, c in layer_tensor_shapes(run)]
+    if first_dense_layers(run.model):
+        shapes += [(d0, row, c * n_dense) for d0, row, c in _dense_layer_tensor_shapes(run.model, run.tp)]
     return shapes + root_tensor_shapes(run, stage)
 
 

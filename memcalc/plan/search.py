@@ -42,7 +42,7 @@ from memcalc.options import RunOptions, build_run
 from memcalc.plan.space import RULES, Bounds, Combo, Space, divisors, enumerate_space
 from memcalc.specs import Run
 
-PLAN_SCHEMA_VERSION = "1.2"
+PLAN_SCHEMA_VERSION = "1.3"
 OBJECTIVES: tuple[str, ...] = ("throughput", "memory", "gpus")
 # The options `plan` searches over or derives; everything else in memcalc.cli.RUN_OPTIONS is shared with estimate.
 SEARCH_FIELDS: tuple[str, ...] = ("tp", "pp", "vpp", "cp", "micro_batch", "zero", "recompute", "sp", "offload",
@@ -276,7 +276,7 @@ def search(req: Request, progress: Progress | None = None, keep_closest: int = 3
         layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, seq=base.seq, global_batch=o.global_batch, gpus=gpus,
         gpus_per_node=hw.gpus_per_node, profile=base.profile, ep=o.ep, schedule=o.schedule,
         recompute_layers=o.recompute_layers, bounds=req.bounds, keep_logits=base.training.keep_logits,
-        cp_comm=base.cp_comm,
+        cp_comm=base.cp_comm, mla=m.mla is not None,
     )
     rejected = dict(space.rejected)
     capacity = hw.memory_bytes

@@ -45,6 +45,7 @@ RULES: dict[str, str] = {
     "keep_logits_pp": "--keep-logits (the training loop's logits) needs pp = 1",
     "cp_seq": "cp does not divide the sequence length",
     "cp_a2a_heads": "--cp-comm a2a needs cp to divide the query and KV heads per TP rank",
+    "cp_mla": "context parallelism over multi-head latent attention is not modelled",
     "ep": "ep does not divide dp*cp",
     "global_batch": "the global batch is not a multiple of micro-batch*dp",
     "offload_zero": "offload params needs ZeRO-3; offload with ZeRO-0 needs the torch profile",
@@ -54,7 +55,7 @@ RULES: dict[str, str] = {
     "pruned_micro_batch": "not kept: a smaller micro-batch of the same layout already exceeded the memory budget",
 }
 INVALID_LAYOUT_RULES: tuple[str, ...] = ("tp_heads", "tp_node", "pp_layers", "vpp_layers", "schedule",
-                                         "keep_logits_pp", "cp_seq", "cp_a2a_heads", "ep")
+                                         "keep_logits_pp", "cp_seq", "cp_a2a_heads", "cp_mla", "ep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +207,7 @@ def _offload_ok(zero: int, offload: str, profile: str) -> bool:
 def enumerate_space(
     *, layers: int, heads: int, kv_heads: int, seq: int, global_batch: int, gpus: list[int], gpus_per_node: int,
     profile: str, ep: int, schedule: str | None, recompute_layers: int | None, bounds: Bounds,
-    keep_logits: str = "none", cp_comm: str = "p2p",
+    keep_logits: str = "none", cp_comm: str = "p2p", mla: bool = False,
 ) -> Space:
     """Every configuration within the bounds, with the count each rule rejects. See the module docstring."""
     zeros, rcs, sps, offs = _cat_axes(bounds, recompute_layers)
@@ -258,6 +259,7 @@ def enumerate_space(
         "cp_seq": seq % CP != 0,
         "cp_a2a_heads": (np.gcd(heads // TP, kv_heads // TP) % CP != 0) if cp_comm == "a2a"
         else np.zeros(G.size, dtype=bool),
+        "cp_mla": (CP > 1) if mla else np.zeros(G.size, dtype=bool),
         "ep": (ep > 1) & ((DP * CP) % ep != 0),
     }
     for i, rule in enumerate(INVALID_LAYOUT_RULES):

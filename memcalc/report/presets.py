@@ -22,7 +22,8 @@ def render_presets(json_out: bool = False) -> None:
         data = model_preset_data(name)
         models.append({"name": name, "display_name": spec.display_name, "params": total_params(spec),
                        "aliases": data.get("aliases", []), "layers": spec.layers, "hidden": spec.hidden,
-                       "heads": spec.heads, "kv_heads": spec.kv_heads, "moe": spec.moe is not None})
+                       "heads": spec.heads, "kv_heads": spec.kv_heads, "moe": spec.moe is not None,
+                       "mla": spec.mla is not None})
     gpus = []
     for name in gpu_names():
         hw = load_gpu(name)
@@ -38,7 +39,7 @@ def render_presets(json_out: bool = False) -> None:
         t.add_column(c, justify="right" if c in ("params", "layers", "hidden") else "left")
     for m in models:
         t.add_row(m["name"], format_count(m["params"]), str(m["layers"]), str(m["hidden"]),
-                  f"{m['heads']} ({m['kv_heads']})" + (" MoE" if m["moe"] else ""), ", ".join(m["aliases"]))
+                  f"{m['heads']} ({m['kv_heads']})" + (" MLA" if m["mla"] else "") + (" MoE" if m["moe"] else ""), ", ".join(m["aliases"]))
     con.print(t)
     g = Table(title="GPUs", box=None, header_style="bold", title_justify="left")
     for c in ("name", "memory", "bf16 dense", "per node", "aliases"):
