@@ -323,7 +323,6 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     t = run.tp
     d = m.head_dim
     heads = m.heads // t  # resolve() checks t | a and t | g
-    kv = m.kv_heads // t
     eager = run.training.attention == "eager"
     dropout = run.dropout > 0
     stats = 0 if paper_terms else _fp32_norm_stats(run) * tok_sp
