@@ -175,7 +175,7 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
             "qk_rope_dim": get("qk_rope_head_dim"),
             "v_head_dim": get("v_head_dim"),
         }
-        spec["kv_heads"], spec["head_dim"] = heads, 0
+        spec["head_dim"] = 0  # the query/key width, nope + rope (ModelSpec derives it; kv_heads = heads)
     return _model_from_dict(spec, where)
 
 

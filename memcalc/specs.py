@@ -107,9 +107,8 @@ class ModelSpec(_Frozen):
             heads = data.get("heads")
             mla = data.get("mla")
             if mla is not None and heads:
-                # MLA: every head has its own query, key and value (no GQA); head_dim is the query/key width
+                # MLA: head_dim is the query/key width (every head has its own key and value: `_check`)
                 mla = mla if isinstance(mla, dict) else mla.model_dump()
-                data["kv_heads"] = heads
                 data["head_dim"] = data.get("head_dim") or (mla.get("qk_nope_dim", 0) + mla.get("qk_rope_dim", 0))
             if not data.get("kv_heads") and heads:
                 data["kv_heads"] = heads

@@ -17,6 +17,7 @@ BAD_INPUTS = [
     (["--params", "banana"], "--params 'banana'"),
     (["-m", "deepseek-v2-lite", "--gpus", "2", "--cp", "2"], "--cp 2 with deepseek-v2-lite"),
     (["-m", "deepseek-v2-lite", "--lora-rank", "8"], "--lora-rank with deepseek-v2-lite"),
+    (["-m", "deepseek-v2-lite", "--kv-heads", "8"], "kv_heads 8 must equal heads 16"),
     (["--params", "7B", "--gpus", "0"], "--gpus 0"),
     (["--model", "llama-2-7b", "--tp", "3"], "--tp 3"),
     (["--model", "llama-2-7b", "--gpus", "64", "--tp", "8", "--pp", "16"], "--gpus 64"),

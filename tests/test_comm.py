@@ -367,6 +367,14 @@ def test_expert_parallel_all_to_all():
     dense, expert = stage_params(r, 0)
     grads = [c for c in colls if c.group == "dp"]
     assert sorted((c.group_size, c.bytes_per_call) for c in grads) == [(8 // ep, 4 * expert), (8, 4 * dense)]
+    # the same model with its first layer dense (DeepSeek's first_k_dense_replace): 3 MoE layers exchange tokens;
+    # under full recompute the dense layer is the stage's first checkpointed one, so 3 re-run forwards do too
+    first = moe.model_copy(update={"moe": moe.moe.model_copy(update={"first_dense_layers": 1})})
+    a2a = pick(comm.collectives(make(first, profile="megatron", dp=8, ep=ep, seq=s, micro_batch=b, grad_accum=2)),
+               "all-to-all", "ep")
+    assert a2a.calls_per_step == 4 * 3 * 2
+    rc = make(first, profile="megatron", dp=8, ep=ep, seq=s, micro_batch=b, grad_accum=2, recompute="full")
+    assert pick(comm.collectives(rc), "all-to-all", "ep").calls_per_step == (4 * 3 + 2 * 3) * 2
 
 
 # ------------------------------------------------------------------------------------------ placement, time

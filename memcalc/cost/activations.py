@@ -22,7 +22,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcalc.cost.params import first_dense_layers, head_params, padded_vocab, stage_dense_layers, stage_layers
+from memcalc.cost.params import (
+    dense_layer_run,
+    first_dense_layers,
+    head_params,
+    padded_vocab,
+    stage_dense_layers,
+    stage_layers,
+)
 from memcalc.specs import DTYPE_BYTES, Run, lora_projections
 from memcalc.xp import cdiv, imax, imin, where
 
@@ -1089,9 +1096,8 @@ def megatron_attention_backward(run: Run) -> Num:
     heads, kv = m.heads // run.tp, m.kv_heads // run.tp
     qk = m.head_dim
     v = m.mla.v_head_dim if m.mla is not None else m.head_dim
-    after_core = ("mlp_norm", "mlp_norm_normalized", "mlp_input")
-    terms = layer_terms(run, "none")
-    mlp_saved = _sum({k: x for k, x in terms.items() if k in after_core or k.startswith(("mlp_", "moe_"))})
+    # the MLP's norm, input and terms, all named mlp_* / moe_*
+    mlp_saved = sum(x for k, x in layer_terms(run, "none").items() if k.startswith(("mlp_", "moe_")))
     buffers = c * tok * (heads * v + heads * qk + kv * (qk + v)) + 4 * tok * heads * (qk + 1)
     return buffers - mlp_saved
 
@@ -1139,16 +1145,14 @@ def _hf_moe_backward_transient(run: Run) -> Num:
 _NEVER = -(1 << 62)  # a moment that does not occur (a maximum ignores it)
 
 
-def _sum(terms: dict[str, Num]) -> Num:
-    total = 0
-    for v in terms.values():
-        total = total + v
-    return total
-
-
-def dense_layer_run(run: Run) -> Run:
-    """The run as one of its MoE model's first dense layers sees it: the same model with a dense MLP of m.ffn."""
-    return dataclasses.replace(run, model=run.model.model_copy(update={"moe": None}))
+def _layer_moment(mode: str, layer_tr: Num, remat: Num) -> Num:
+    """A layer's backward moment beyond what is held: its transient, and a checkpointed layer's re-materialisation
+    (full / op: re-run, then the backward starts; selective: the core comes back after the MLP's backward)."""
+    if mode in ("full", "op"):
+        return layer_tr + imax(remat, 0)
+    if mode == "selective":
+        return imax(layer_tr, remat)
+    return layer_tr
 
 
 def _residual_grad_bytes(run: Run) -> Num:
@@ -1215,26 +1219,28 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         remat = where(ck > 0, _remat_net(mode, plain, kept_bytes) - (0 if off else plain_layers * plain_bytes), 0)
     # an MoE model's first dense layers (MoESpec.first_dense_layers) on this stage: the stage's first layers, so
     # checkpointed first (block method); their saved sets replace MoE ones. Interleaved: counted as MoE layers.
-    dense_at = 0  # a dense layer's backward moment, relative to the first layer's (held minus the stage's MoE layers)
+    dense_at = _NEVER  # a dense layer's backward moment, relative to everything held (its MoE layers freed)
     if first_dense_layers(m) and run.schedule != "interleaved":
         nd = stage_dense_layers(run, stage)
         nd_ck = imin(nd, ck)
         nd_plain = nd - nd_ck
         drun = dense_layer_run(run)
         d_plain = layer_terms(drun, "none")
-        d_plain_bytes = _sum(d_plain)
+        d_plain_bytes = sum(d_plain.values())
         for key in set(d_plain) | set(plain):
             detail[key] = detail.get(key, 0) + (d_plain.get(key, 0) - plain.get(key, 0)) * nd_plain * units
         unit_bytes = unit_bytes + nd_plain * (d_plain_bytes - plain_bytes)
+        d_remat = 0
         if mode != "none":
             d_kept = layer_terms(drun, mode)
+            d_kept_bytes = sum(d_kept.values())
             for key in set(d_kept) | set(kept):
                 detail[key] = detail.get(key, 0) + (d_kept.get(key, 0) - kept.get(key, 0)) * nd_ck * units
-            unit_bytes = unit_bytes + nd_ck * (_sum(d_kept) - kept_bytes)
+            unit_bytes = unit_bytes + nd_ck * (d_kept_bytes - kept_bytes)
+            d_remat = where(nd_plain > 0, 0, _remat_net(mode, d_plain, d_kept_bytes))  # the first is checkpointed
         # backward reaches the dense layers last: this micro-batch's MoE layers have freed their saved sets
         moe_freed = (plain_layers - nd_plain) * plain_bytes + (ck - nd_ck) * kept_bytes
-        dense_at = where(nd > 0, layer_backward_transient(drun) - moe_freed + where(nd_plain > 0, 0, _remat_net(
-            mode, d_plain, _sum(layer_terms(drun, mode))) if mode != "none" else 0), _NEVER)
+        dense_at = where(nd > 0, _layer_moment(mode, layer_backward_transient(drun), d_remat) - moe_freed, _NEVER)
     # activation offloading (`offload_activations`): every layer's saved set goes to host memory; the GPU keeps
     # the last layer run (`w_last`) and the one before it (`w_prev`: in forward its copy to the host is in flight
     # until the next layer's forward ends; in backward it is reloaded while the current layer's backward runs).
@@ -1339,14 +1345,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         head_bwd_tr = imax(head_bwd_tr, where(last, _megatron_head_backward(run), 0))
     bwd_tr = imax(imax(loss_bwd, core_tr), head_bwd_tr)
     layer_tr = layer_backward_transient(run)
-    if mode in ("full", "op"):
-        at_layer = layer_tr + imax(remat, 0)  # the layer is re-run, then its backward starts
-    elif mode == "selective":
-        at_layer = imax(layer_tr, remat)  # the core comes back after the MLP's backward
-    else:
-        at_layer = layer_tr
-    if first_dense_layers(m) and run.schedule != "interleaved":
-        at_layer = imax(at_layer, dense_at)
+    at_layer = imax(_layer_moment(mode, layer_tr, remat), dense_at)
     # the logits at the LM head's matmul; a model that returns them upcast (`--keep-logits fp32`) makes the fp32
     # copy right there, while the loop still holds the previous micro-batch's (in `base`)
     logits = where(last, (c + (4 if tr.keep_logits == "fp32" and c < 4 else 0)) * _logit_elems(run), 0)

@@ -32,6 +32,7 @@ from memcalc.cost.params import (
     first_dense_layers,
     layer_params,
     layer_tensor_shapes,
+    mlp_matrix_shapes,
     attention_matrix_shapes,
     norm_params,
     padded_shard_elems,
@@ -182,26 +183,17 @@ def _te_dummy_wgrad_elems(run: Run, stage: Num = 0) -> Num:
     an expert (TE GroupedLinear), of the shared experts when their width differs, and of the first dense layers'
     MLP on the stages that hold one. Shapes come from the model's dimensions (not scaled by `--params`)."""
     m = run.model
-    attn = attention_matrix_shapes(m, run.tp)
-    total = 0
-    for rows, cols, count in attn:
-        total = total + rows * cols * count  # q + 2 kv = the fused qkv's elements
-    n_in = 2 if m.mlp == "swiglu" else 1
 
-    def mlp(ffn: int) -> Num:
-        f_t = ffn // run.tp
-        return (n_in + 1) * f_t * m.hidden  # fc1 (gate and up fused) and fc2
+    def elems(shapes: list) -> Num:  # q + 2 kv = the fused qkv's elements, gate + up = fc1's
+        return sum(rows * cols * count for rows, cols, count in shapes)
 
+    total = elems(attention_matrix_shapes(m, run.tp))
     if m.moe is None:
-        return total + mlp(m.ffn)
-    widths = {m.moe.expert_ffn}
-    total = total + mlp(m.moe.expert_ffn)
-    fs = m.moe.shared_experts * m.moe.expert_ffn
-    if fs and fs not in widths:
-        widths.add(fs)
-        total = total + mlp(fs)
+        return total + elems(mlp_matrix_shapes(m, m.ffn, run.tp))
+    widths = {m.moe.expert_ffn, m.moe.shared_experts * m.moe.expert_ffn} - {0}
+    total = total + sum(elems(mlp_matrix_shapes(m, w, run.tp)) for w in widths)
     if m.moe.first_dense_layers and m.ffn not in widths:
-        total = total + where(stage_dense_layers(run, stage) > 0, mlp(m.ffn), 0)
+        total = total + where(stage_dense_layers(run, stage) > 0, elems(mlp_matrix_shapes(m, m.ffn, run.tp)), 0)
     return total
 
 

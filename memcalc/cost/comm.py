@@ -68,6 +68,7 @@ from memcalc.cost.params import (
     root_tensor_shapes,
     shape_params,
     stage_first_layer,
+    stage_dense_layers,
     stage_layer_params,
     stage_layers,
     stage_param_split,
@@ -691,8 +692,10 @@ def _expert_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
     m = run.model
     assert m.moe is not None
     act = run.recipe.compute_dtype
-    layers = stage_layers(m, run.pp, stage)
-    rc = stage_recomputed_layers(run, stage) if run.training.recompute == "full" else 0 * layers
+    # MoE layers only: the model's first dense layers (the stage's first, so the first recomputed) have no experts
+    dense = stage_dense_layers(run, stage)
+    layers = stage_layers(m, run.pp, stage) - dense
+    rc = imax(stage_recomputed_layers(run, stage) - dense, 0) if run.training.recompute == "full" else 0 * layers
     tokens = (run.seq // run.cp) * run.micro_batch
     if run.sp:
         tokens = tokens // run.tp

@@ -31,6 +31,7 @@ from typing import Any
 
 from memcalc.cost.params import (
     attention_matrix_shapes,
+    dense_layer_run,
     first_dense_layers,
     lora_layer_params,
     mlp_matrix_shapes,
@@ -81,19 +82,14 @@ def matmul_weights_per_token(run: Run) -> int:
     return attn + mlp
 
 
-def _dense_layer_weights_per_token(run: Run) -> int:
-    """Like `matmul_weights_per_token` for one of an MoE model's first dense layers (an MLP of width m.ffn)."""
-    m = run.model
-    return sum(r * c * k for r, c, k in attention_matrix_shapes(m, 1) + mlp_matrix_shapes(m, m.ffn, 1))
-
-
 def weights_per_token_from(run: Run, start: int) -> int:
     """Matmul weight elements one token passes through in layers start..L-1: MoE layers, and the model's first
     dense layers (MoESpec.first_dense_layers) where they fall in that range."""
     m = run.model
     k = first_dense_layers(m)
     n_dense = max(k - start, 0)
-    return (m.layers - max(start, k)) * matmul_weights_per_token(run) + n_dense * _dense_layer_weights_per_token(run)
+    dense = matmul_weights_per_token(dense_layer_run(run)) if n_dense else 0
+    return (m.layers - max(start, k)) * matmul_weights_per_token(run) + n_dense * dense
 
 
 def attention_core_flops_per_token(run: Run) -> int:

@@ -94,10 +94,20 @@ def layer_params(m: ModelSpec, tp: Num = 1, ep: Num = 1) -> tuple[Num, Num]:
     return dense + d, e
 
 
+def dense_variant(m: ModelSpec) -> ModelSpec:
+    """The model as one of its first dense layers (MoESpec.first_dense_layers) is built: the same layer with a
+    dense MLP of width m.ffn instead of the experts."""
+    return m.model_copy(update={"moe": None})
+
+
+def dense_layer_run(run: Run) -> Run:
+    """The run as one of its MoE model's first dense layers sees it (`dense_variant`)."""
+    return dataclasses.replace(run, model=dense_variant(run.model))
+
+
 def dense_layer_params(m: ModelSpec, tp: Num = 1) -> Num:
-    """One of an MoE model's first dense layers (MoESpec.first_dense_layers): attention, two norms and an MLP of
-    width m.ffn, all dense."""
-    return attention_params(m, tp) + 2 * norm_params(m) + dense_mlp_params(m, m.ffn, tp)
+    """Parameters of one of an MoE model's first dense layers on one TP rank."""
+    return layer_params(dense_variant(m), tp)[0]
 
 
 def first_dense_layers(m: ModelSpec) -> int:
