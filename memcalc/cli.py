@@ -64,6 +64,26 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                  show_default=False)),
     "max_positions": (Optional[int], None, _opt("--max-positions", help="Rows of a learned position table "
                       "(default: --seq).", panel=_M)),
+    "head_dim": (Optional[int], None, _opt("--head-dim", help="Override the attention head width (default: "
+                 "hidden / heads; Megatron --kv-channels).", panel=_M)),
+    "experts": (Optional[int], None, _opt("--experts", help="Routed experts per MoE layer (with --top-k on a dense "
+                "model: makes it a mixture of experts).", panel=_M)),
+    "top_k": (Optional[int], None, _opt("--top-k", help="Routed experts per token.", panel=_M)),
+    "expert_ffn": (Optional[int], None, _opt("--expert-ffn", help="One expert's MLP width (default: --ffn).",
+                   panel=_M)),
+    "shared_experts": (Optional[int], None, _opt("--shared-experts", help="Shared experts per MoE layer, each of "
+                       "--expert-ffn (one MLP of their summed width).", panel=_M)),
+    "first_dense_layers": (Optional[int], None, _opt("--first-dense-layers", help="The first K layers keep a dense "
+                           "MLP of --ffn (DeepSeek first_k_dense_replace).", panel=_M)),
+    "q_lora_rank": (Optional[int], None, _opt("--q-lora-rank", help="Multi-head latent attention: the query "
+                    "latent's rank (0: queries projected directly). Not LoRA fine-tuning (--lora-rank).", panel=_M)),
+    "kv_lora_rank": (Optional[int], None, _opt("--kv-lora-rank", help="MLA: the key/value latent's rank (with "
+                     "--qk-nope-dim --qk-rope-dim --v-head-dim: makes the attention MLA).", panel=_M)),
+    "qk_nope_dim": (Optional[int], None, _opt("--qk-nope-dim", help="MLA: per-head query/key width from the "
+                    "latent.", panel=_M)),
+    "qk_rope_dim": (Optional[int], None, _opt("--qk-rope-dim", help="MLA: per-head rotary query/key width.",
+                    panel=_M)),
+    "v_head_dim": (Optional[int], None, _opt("--v-head-dim", help="MLA: per-head value width.", panel=_M)),
     "seq": (int, 4096, _opt("--seq", help="Sequence length (tokens).", panel=_T)),
     "micro_batch": (int, 1, _opt("--micro-batch", "--mb", help="Sequences per micro-batch per GPU.", panel=_T)),
     "global_batch": (Optional[int], None, _opt("--global-batch", help="Sequences per optimizer step (sets "

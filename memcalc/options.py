@@ -40,7 +40,10 @@ FLAG_OF = {
     "mfu": "--mfu", "gpus": "--gpus", "dp": "--dp", "tp": "--tp", "pp": "--pp", "vpp": "--vpp", "cp": "--cp",
     "ep": "--ep", "zero": "--zero", "offload": "--offload", "schedule": "--schedule",
     "mlp": "--mlp", "norm": "--norm", "tied_embeddings": "--tied-embeddings", "positions": "--positions",
-    "bias": "--bias", "qkv_bias": "--qkv-bias", "max_positions": "--max-positions",
+    "bias": "--bias", "qkv_bias": "--qkv-bias", "max_positions": "--max-positions", "head_dim": "--head-dim",
+    "experts": "--experts", "top_k": "--top-k", "expert_ffn": "--expert-ffn", "shared_experts": "--shared-experts",
+    "first_dense_layers": "--first-dense-layers", "q_lora_rank": "--q-lora-rank", "kv_lora_rank": "--kv-lora-rank",
+    "qk_nope_dim": "--qk-nope-dim", "qk_rope_dim": "--qk-rope-dim", "v_head_dim": "--v-head-dim",
     "deepspeed_config": "--deepspeed-config", "megatron_args": "--megatron-args",
     "torchtitan_config": "--torchtitan-config",
 }
@@ -116,6 +119,19 @@ class RunOptions:
     bias: bool | None = None  # biases on every linear layer (Megatron --add-bias-linear): sets qkv_bias too
     qkv_bias: bool | None = None
     max_positions: int | None = None
+    head_dim: int | None = None
+    # mixture of experts (specs.MoESpec) and multi-head latent attention (specs.MLASpec): each overrides the
+    # preset's value, or, on a model without them, makes it MoE / MLA (build_model says what is required)
+    experts: int | None = None
+    top_k: int | None = None
+    expert_ffn: int | None = None
+    shared_experts: int | None = None
+    first_dense_layers: int | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_dim: int | None = None
+    qk_rope_dim: int | None = None
+    v_head_dim: int | None = None
     seq: int = 4096
     micro_batch: int = 1
     global_batch: int | None = None
@@ -198,6 +214,9 @@ BUFFER_KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "overlap_comm", "con
                 "stage3_max_live_parameters", "stage3_max_reuse_distance")
 IMPORT_FIELDS = ("deepspeed_config", "megatron_args", "torchtitan_config")
 SHAPE_CHOICE_FIELDS = ("mlp", "norm", "tied_embeddings", "positions", "bias", "qkv_bias", "max_positions")
+MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_experts", "first_dense_layers")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
+ARCH_FIELDS = ("head_dim", *MOE_FIELDS, *MLA_FIELDS)
 
 
 def _shape_choices(o: RunOptions) -> dict[str, Any]:
@@ -219,6 +238,51 @@ def _shape_choices(o: RunOptions) -> dict[str, Any]:
         check_positive("--max-positions", o.max_positions)
         out["max_positions"] = o.max_positions
     return out
+
+
+def _architecture(o: RunOptions, data: dict[str, Any], explicit_kv: bool) -> list[str]:
+    """Apply --head-dim and the MoE / MLA flags to the model's fields (in place); returns the fields given.
+    On a model that has experts (a latent attention) each flag overrides that field; on one that has none,
+    --experts with --top-k makes it MoE (--expert-ffn defaults to its --ffn, as Megatron's --moe-ffn-hidden-size
+    does) and --kv-lora-rank with --qk-nope-dim, --qk-rope-dim and --v-head-dim makes its attention MLA."""
+    given = {f: getattr(o, f) for f in ARCH_FIELDS if getattr(o, f) is not None}
+    for f, v in given.items():
+        check_positive(FLAG_OF[f], v, minimum=0 if f in ("shared_experts", "first_dense_layers", "q_lora_rank") else 1)
+    name = data.get("name", "custom")
+    moe = {f: given[f] for f in MOE_FIELDS if f in given}
+    if moe:
+        base = data.get("moe")
+        if base is None:
+            if "experts" not in moe:
+                flags = " ".join(FLAG_OF[f] for f in moe)
+                raise InputError(f"{flags} with {name}: it has no experts; give --experts E and --top-k K to make it "
+                                 "a mixture of experts")
+            if "top_k" not in moe:
+                raise InputError(f"--experts {moe['experts']} with {name}: give --top-k K (experts per token) too")
+            base = {"expert_ffn": data.get("ffn")}
+        data["moe"] = {**dict(base), **moe}
+    mla = {f: given[f] for f in MLA_FIELDS if f in given}
+    if mla:
+        base = data.get("mla")
+        if base is None:
+            missing = [FLAG_OF[f] for f in ("kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
+                       if f not in mla]
+            if missing:
+                flags = " ".join(FLAG_OF[f] for f in mla)
+                raise InputError(f"{flags} with {name}: multi-head latent attention needs all of --kv-lora-rank "
+                                 f"--qk-nope-dim --qk-rope-dim --v-head-dim (missing: {' '.join(missing)})")
+            if explicit_kv and data.get("kv_heads") not in (None, 0, data.get("heads")):
+                raise InputError(f"--kv-heads {data['kv_heads']} with multi-head latent attention: every head has its "
+                                 f"own key and value; valid: {data.get('heads')} (the heads) or leave it out")
+            data["kv_heads"] = data.get("heads")
+        data["mla"] = {**dict(base or {}), **mla}
+        data["head_dim"] = 0  # MLA: the query/key width, nope + rope (ModelSpec._defaults)
+    if "head_dim" in given:
+        if data.get("mla") is not None:
+            raise InputError(f"--head-dim {given['head_dim']} with multi-head latent attention: its query/key width "
+                             "is --qk-nope-dim + --qk-rope-dim and its value width --v-head-dim")
+        data["head_dim"] = given["head_dim"]
+    return list(given)
 
 
 def build_model(o: RunOptions) -> tuple[ModelSpec, str | None]:
@@ -267,6 +331,11 @@ def build_model(o: RunOptions) -> tuple[ModelSpec, str | None]:
         if "heads" in overrides or "kv_heads" in overrides:
             if data["heads"] % data["kv_heads"]:
                 raise InputError(f"--heads {data['heads']} is not a multiple of --kv-heads {data['kv_heads']}")
+    arch = _architecture(o, data, explicit_kv="kv_heads" in overrides)
+    if arch and model is not None:
+        names = sorted({*overrides, *arch})
+        data["name"] = f"{model.name}+overrides"
+        data["display_name"] = f"{model.display_name} (overridden: {', '.join(names)})"
     try:
         return ModelSpec(**data), assumed
     except ValidationError as e:
@@ -305,6 +374,8 @@ def _spec_error(e: ValidationError) -> str:
     msg = err.get("msg", "invalid")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+    if field in ("moe", "mla"):  # a check across the section's fields: its message names them
+        return msg
     if flag:
         return f"{flag} {err.get('input')!r}: {msg}"
     return validation_message(e)

@@ -623,7 +623,7 @@ def validation_message(err: ValidationError, prefix: str = "") -> str:
     e = err.errors()[0]
     loc = ".".join(str(x) for x in e.get("loc", ()) if x != "__root__")
     value = e.get("input")
-    msg = e.get("msg", "invalid value")
+    msg = e.get("msg", "invalid value").removeprefix("Value error, ")
     if loc:
         return f"{prefix}{loc} = {value!r}: {msg}"
     return f"{prefix}{msg}"

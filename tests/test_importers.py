@@ -545,3 +545,104 @@ def test_table_shows_the_import_and_ignored_keys(ds_file):
     assert "ignored (unknown to memcalc): zero_optimization.flux_capacitor, frobnicate" in flat
     assert ("zero_optimization.reduce_bucket_size=500000000" in flat  # recorded, not modelled yet
             or "--reduce-bucket-size 500000000" in flat)  # once RunOptions has the field
+
+
+# DeepSeek-V3's shape as Megatron-LM spells it: the model arguments of Megatron-LM
+# examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh (the V3 architecture), with a training layout and
+# --vocab-size 129280 (HF deepseek-ai/DeepSeek-V3 config.json vocab_size; that script reads it from the tokenizer)
+DSV3_ARGS = (
+    "--bf16 --disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope "
+    "--normalization RMSNorm --swiglu --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 "
+    "--num-attention-heads 128 --kv-channels 128 --multi-latent-attention --kv-lora-rank 512 --v-head-dim 128 "
+    "--q-lora-rank 1536 --qk-head-dim 128 --qk-layernorm --qk-pos-emb-head-dim 64 --num-experts 256 "
+    "--moe-layer-freq [0]*3+[1]*58 --moe-ffn-hidden-size 2048 --moe-router-dtype fp32 "
+    "--moe-router-score-function sigmoid --moe-router-topk 8 --moe-router-num-groups 8 --moe-router-group-topk 4 "
+    "--moe-shared-expert-overlap --moe-shared-expert-intermediate-size 2048 --moe-aux-loss-coeff 1e-4 "
+    "--moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall --seq-length 4096 "
+    "--max-position-embeddings 163840 --vocab-size 129280 --micro-batch-size 1 "
+    "--pipeline-model-parallel-size 8 --expert-model-parallel-size 32 --use-distributed-optimizer"
+)
+
+
+def test_megatron_deepseek_v3_arguments_are_the_deepseek_v3_preset():
+    run = build_run(RunOptions(megatron_args=DSV3_ARGS, gpus=256))
+    preset = build_run(RunOptions(model="deepseek-v3")).model
+    m = run.model
+    # the shape: every architectural field of the preset (HF config.json of deepseek-ai/DeepSeek-V3), read from
+    # the Megatron spelling: --moe-layer-freq [0]*3+[1]*58 = first_k_dense_replace 3; the shared expert's 2048 =
+    # one expert of --moe-ffn-hidden-size; the MLA widths qk_head_dim 128 (nope) + qk_pos_emb_head_dim 64 (rope)
+    for f in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "mlp", "norm", "qkv_bias",
+              "linear_bias", "tied_embeddings", "positions", "moe", "mla"):
+        assert getattr(m, f) == getattr(preset, f), f
+    assert m.moe.first_dense_layers == 3 and m.moe.shared_experts == 1 and m.mla.q_lora_rank == 1536
+    assert total_params(m) == total_params(preset) == 671_026_404_352  # DeepSeek-V3 paper: 671B
+    assert (run.pp, run.ep, run.dp, run.zero, run.profile) == (8, 32, 32, 1, "megatron")
+    r = run_report = apply_imports(RunOptions(megatron_args=DSV3_ARGS, gpus=256)).import_report
+    routing = {i.key for i in r.ignored if i.reason.startswith("routing choice")}
+    assert routing == {"--moe-router-dtype", "--moe-router-score-function", "--moe-router-num-groups",
+                       "--moe-router-group-topk", "--moe-shared-expert-overlap", "--moe-aux-loss-coeff",
+                       "--moe-router-load-balancing-type"}
+    # read, not ignored: the dispatcher (alltoall, the one modelled), --qk-layernorm (MLA's latent norms), and
+    # --kv-channels (not an MLA width: noted)
+    keys = {i.key for i in run_report.ignored}
+    assert not keys & {"--moe-token-dispatcher-type", "--qk-layernorm", "--kv-channels", "--num-experts"}
+    assert any("--kv-channels is not used by multi-latent attention" in n for n in r.notes)
+
+
+def test_megatron_moe_and_mla_defaults():
+    # Megatron-LM arguments.py defaults: --moe-router-topk 2, --moe-ffn-hidden-size = --ffn-hidden-size, the
+    # allgather dispatcher; MLA: kv_lora_rank 32, qk_head_dim 128, qk_pos_emb_head_dim 64, v_head_dim 128, no q latent
+    args = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 8 --ffn-hidden-size 2816 --swiglu "
+            "--vocab-size 32000 --num-experts 8 --multi-latent-attention --disable-bias-linear")
+    r = apply_imports(RunOptions(megatron_args=args))
+    m = build_run(r).model
+    assert (m.moe.experts, m.moe.top_k, m.moe.expert_ffn, m.moe.shared_experts, m.moe.first_dense_layers) == (
+        8, 2, 2816, 0, 0)
+    assert (m.mla.q_lora_rank, m.mla.kv_lora_rank, m.mla.qk_nope_dim, m.mla.qk_rope_dim, m.mla.v_head_dim) == (
+        0, 32, 128, 64, 128)
+    assert m.head_dim == 192 and m.kv_heads == 8
+    notes = " | ".join(r.import_report.notes)
+    for said in ("Megatron's default 2", "the --ffn-hidden-size 2816", "--moe-token-dispatcher-type allgather "
+                 "(Megatron's default)", "without --kv-lora-rank: Megatron's default 32"):
+        assert said in notes
+
+
+@pytest.mark.parametrize("freq,dense", [("1", 0), ("([0]*1+[1]*3)", 1), ("[0]*3+[1]", 3), ("'([0]+[1]*3)'", 1)])
+def test_megatron_moe_layer_freq_dense_first(freq, dense):
+    args = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 1024 --vocab-size 1000 "
+            f"--num-experts 4 --moe-router-topk 1 --moe-layer-freq {freq}")
+    assert build_run(RunOptions(megatron_args=args)).model.moe.first_dense_layers == dense
+
+
+@pytest.mark.parametrize("extra,names", [
+    ("--moe-layer-freq 2", "one MoE layer every 2 is not modelled"),
+    ("--moe-layer-freq ([1]*3+[0]*1)", "only the first layers may be dense"),
+    ("--moe-layer-freq [0]*3+[1]*3", "gives 6 layers, --num-layers is 4"),
+    ("--moe-layer-freq __import__('os')", "is not a list of 0 (dense) and 1 (MoE)"),
+    ("--moe-layer-freq [1]*99999999", "is not a list of 0 (dense) and 1 (MoE)"),
+    ("--moe-shared-expert-intermediate-size 1500", "not a multiple of the expert width 1024"),
+])
+def test_megatron_moe_arguments_memcalc_cannot_model_are_refused(extra, names):
+    args = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 1024 --vocab-size 1000 "
+            f"--num-experts 4 --moe-router-topk 1 {extra}")
+    code, out, err = cli("estimate", "--megatron-args", args)
+    assert code == 2 and names in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_megatron_kv_channels_sets_the_head_width():
+    # --kv-channels 128 with hidden 2048 and 32 heads (hidden/heads = 64): q and o are 2048 x (32 x 128), k and v
+    # 2048 x (8 x 128) per layer; the rest as without it
+    base = "--num-layers 2 --hidden-size 2048 --num-attention-heads 32 --group-query-attention --num-query-groups 8 " \
+           "--ffn-hidden-size 5632 --swiglu --vocab-size 32000 --disable-bias-linear --normalization RMSNorm"
+    wide = build_run(RunOptions(megatron_args=base + " --kv-channels 128")).model
+    narrow = build_run(RunOptions(megatron_args=base)).model
+    assert wide.head_dim == 128 and narrow.head_dim == 64
+    per_layer = 2 * 2048 * (32 * 128 - 32 * 64) + 2 * 2048 * (8 * 128 - 8 * 64)
+    assert total_params(wide) - total_params(narrow) == 2 * per_layer
+
+
+def test_megatron_moe_flags_on_a_dense_model_are_reported_not_applied():
+    r = apply_imports(RunOptions(megatron_args="--num-layers 2 --hidden-size 512 --num-attention-heads 8 "
+                                               "--vocab-size 1000 --moe-router-topk 4")).import_report
+    assert any(i.key == "--moe-router-topk" and "no --num-experts" in i.reason for i in r.ignored)
+    assert "top_k" not in r.applied

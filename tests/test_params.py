@@ -174,3 +174,30 @@ def test_hf_config_with_mla_and_dense_first_layers():
     m = model_from_hf_config(cfg, "config.json")
     assert m.mla == load_model("deepseek-v3").mla and m.moe == load_model("deepseek-v3").moe
     assert m.head_dim == 192 and total_params(m) == 671_026_404_352
+
+
+def test_moe_and_mla_from_flags():
+    """--experts/--top-k/... and --kv-lora-rank/... build the same model as a preset that has them, and turn a
+    dense preset into an MoE one with the arithmetic shown."""
+    from memcalc.options import RunOptions, build_model
+
+    flags = dict(layers=27, hidden=2048, heads=16, ffn=10944, vocab=102400, tied_embeddings=False, experts=64,
+                 top_k=6, expert_ffn=1408, shared_experts=2, first_dense_layers=1, kv_lora_rank=512,
+                 qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128)
+    m, _ = build_model(RunOptions(**flags))
+    lite = load_model("deepseek-v2-lite")
+    assert (m.moe, m.mla, m.head_dim, m.kv_heads) == (lite.moe, lite.mla, lite.head_dim, lite.kv_heads)
+    assert total_params(m) == total_params(lite)
+    # Llama-3-8B with 8 experts, top-2, each expert the model's own SwiGLU MLP (--expert-ffn defaults to --ffn):
+    # per layer 7 more MLPs of 3 x 4096 x 14336 and a 4096 x 8 router, over 32 layers
+    base = load_model("llama-3-8b")
+    moe, _ = build_model(RunOptions(model="llama-3-8b", experts=8, top_k=2))
+    assert moe.moe.expert_ffn == 14336 and moe.name == "llama-3-8b+overrides"
+    assert total_params(moe) - total_params(base) == 32 * (7 * 3 * 4096 * 14336 + 4096 * 8)
+    # --head-dim: q and o become 4096 x (32 x 96), k and v 4096 x (8 x 96): 2 x 4096 x 32 x (96 - 128) +
+    # 2 x 4096 x 8 x (96 - 128) per layer
+    narrow, _ = build_model(RunOptions(model="llama-3-8b", head_dim=96))
+    assert total_params(narrow) - total_params(base) == 32 * (2 * 4096 * 32 * -32 + 2 * 4096 * 8 * -32)
+    # overriding one MLA field of a preset keeps the others, and the query/key width follows
+    wide, _ = build_model(RunOptions(model="deepseek-v2-lite", qk_rope_dim=128))
+    assert wide.head_dim == 256 and wide.mla.kv_lora_rank == 512

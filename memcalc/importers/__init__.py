@@ -20,10 +20,10 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from memcalc.errors import InputError
-from memcalc.options import FLAG_OF, IMPORT_FIELDS, SHAPE_CHOICE_FIELDS, RunOptions
+from memcalc.options import ARCH_FIELDS, FLAG_OF, IMPORT_FIELDS, SHAPE_CHOICE_FIELDS, RunOptions
 
 # RunOptions fields that describe the model's shape: dropped from an import when --model / --params is given.
-SHAPE_FIELDS = ("model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", *SHAPE_CHOICE_FIELDS)
+SHAPE_FIELDS = ("model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", *SHAPE_CHOICE_FIELDS, *ARCH_FIELDS)
 
 # flag spelling of the RunOptions fields not in options.FLAG_OF, and of the boolean flags by value
 _EXTRA_FLAGS = {

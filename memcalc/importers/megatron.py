@@ -44,6 +44,11 @@ _BOOL = {
     "--calculate-per-token-loss", "--defer-embedding-wgrad-compute", "--moe-grouped-gemm",
     "--use-precision-aware-optimizer", "--overlap-p2p-communication", "--cross-entropy-loss-fusion",
     "--use-contiguous-parameters-in-local-ddp", "--data-parallel-random-init", "--exit-on-missing-checkpoint",
+    "--multi-latent-attention", "--moe-shared-expert-overlap", "--moe-use-legacy-grouped-gemm", "--moe-layer-recompute",
+    "--moe-router-pre-softmax", "--moe-router-enable-expert-bias", "--moe-router-fusion", "--moe-permute-fusion",
+    "--moe-router-padding-for-fp8", "--moe-router-force-load-balancing", "--moe-enable-deepep",
+    "--moe-pad-expert-input-to-capacity", "--moe-apply-probs-on-input", "--moe-per-layer-logging",
+    "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--moe-use-upcycling",
 }
 
 # flags that do not change memory or step time (listed as ignored with that reason)
@@ -79,7 +84,10 @@ _HANDLED = {
     "--max-position-embeddings", "--disable-bias-linear", "--add-bias-linear", "--add-qkv-bias",
     "--attention-dropout", "--hidden-dropout", "--optimizer", "--fp8-format", "--tp-comm-overlap",
     "--accumulate-allreduce-grads-in-fp32", "--kv-channels", "--cp-comm-type", "--cross-entropy-loss-fusion",
-    "--cross-entropy-fusion-impl",
+    "--cross-entropy-fusion-impl", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+    "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--multi-latent-attention", "--q-lora-rank",
+    "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--expert-tensor-parallel-size",
+    "--moe-token-dispatcher-type", "--qk-layernorm", "--moe-grouped-gemm", "--moe-permute-fusion",
 }
 _RECORD = {"--make-vocab-size-divisible-by", "--distribute-saved-activations", "--overlap-grad-reduce",
            "--overlap-param-gather", "--bf16-reduction", "--use-precision-aware-optimizer", "--main-grads-dtype",
@@ -87,6 +95,15 @@ _RECORD = {"--make-vocab-size-divisible-by", "--distribute-saved-activations", "
            "--defer-embedding-wgrad-compute", "--use-torch-fsdp2", "--data-parallel-sharding-strategy",
            "--ddp-bucket-size", "--attention-backend", "--context-parallel-comm-type", "--tp-comm-overlap-cfg"}
 _MOE_PREFIXES = ("--num-experts", "--moe-")
+# MoE arguments read but not modelled: why (an MoE run whose memory they change is estimated without them)
+_MOE_UNMODELLED = {
+    "--moe-expert-capacity-factor": "token dropping and capacity padding are not modelled (dropless routing "
+                                    "with balanced load is)",
+    "--moe-pad-expert-input-to-capacity": "capacity padding is not modelled (dropless routing is)",
+    "--moe-layer-recompute": "recompute of the MoE layer alone is not modelled; use --recompute",
+    "--moe-enable-deepep": "DeepEP's dispatch buffers are not modelled (the alltoall dispatcher's are)",
+    "--mtp-num-layers": "multi-token prediction layers are not modelled",
+}
 
 
 _ASSIGN = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=([^\s()$`;|&]+)\s*(?:#.*)?$")
@@ -321,6 +338,7 @@ def import_megatron(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
         imp.notes.append("no --attention-dropout / --hidden-dropout: Megatron's default 0.1")
 
     _model_shape(args, imp, source, num, text)
+    _experts_and_latents(args, imp, source, num, text)
 
     # gpus from a torchrun line
     nproc_raw = args.get("--nproc_per_node", args.get("--nproc-per-node"))
@@ -335,12 +353,17 @@ def import_megatron(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
                                    "give --gpus N")
 
     for flag in args:
+        if flag.startswith(_MOE_PREFIXES) and "--num-experts" not in args:
+            imp.ignore(flag, "no --num-experts: the model is dense")
+            continue
         if flag in _HANDLED or flag in _LAUNCH:
             continue
         if flag in _RECORD:
             imp.recorded[flag] = args[flag]
+        elif flag in _MOE_UNMODELLED:
+            imp.ignore(flag, _MOE_UNMODELLED[flag])
         elif flag.startswith(_MOE_PREFIXES):
-            imp.ignore(flag, "MoE arguments are not imported; use --model with a mixture-of-experts preset")
+            imp.ignore(flag, "routing choice: no effect on memory or step time in memcalc's model")
         elif flag.startswith(_IRRELEVANT_PREFIXES):
             imp.ignore(flag, "no effect on memory or step time")
         else:
@@ -349,6 +372,118 @@ def import_megatron(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
         shown = ", ".join(skipped[:8]) + (f", ... ({len(skipped)} in all)" if len(skipped) > 8 else "")
         imp.notes.append(f"words that are not --arguments were skipped: {shown}")
     return imp
+
+
+def _layer_freq(value: str, layers: int | None, source: str) -> int:
+    """The number of leading dense layers in Megatron's `--moe-layer-freq` (arguments.py `moe_freq_type`): an
+    integer N (one MoE layer every N; 1 = every layer) or a list expression such as `([0]*3+[1]*58)`, 1 for an
+    MoE layer. memcalc models MoE models whose first K layers are dense and the rest MoE; other patterns are
+    refused with that reason."""
+    import ast
+
+    flag = "--moe-layer-freq"
+    text = value.strip().strip("'\"")
+    if text.isdigit():
+        if int(text) == 1:
+            return 0
+        raise InputError(f"{source}: {flag} {value}: one MoE layer every {text} is not modelled; valid: 1 (every "
+                         "layer MoE) or a list with the dense layers first, e.g. ([0]*3+[1]*58)")
+
+    def ev(node: ast.AST) -> list[int] | int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            items = [ev(e) for e in node.elts]
+            if all(isinstance(i, int) for i in items):
+                return items  # type: ignore[return-value]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(a, list) and isinstance(b, list):
+                return a + b
+            if isinstance(node.op, ast.Mult) and isinstance(a, list) and isinstance(b, int) and b * len(a) <= 1 << 16:
+                return a * b
+        raise ValueError
+
+    try:
+        pattern = ev(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError):
+        pattern = None
+    if not isinstance(pattern, list) or not pattern or set(pattern) - {0, 1}:
+        raise InputError(f"{source}: {flag} {value!r} is not a list of 0 (dense) and 1 (MoE) per layer; valid: an "
+                         "integer or an expression such as ([0]*3+[1]*58)")
+    if layers is not None and len(pattern) != layers:
+        raise InputError(f"{source}: {flag} {value!r} gives {len(pattern)} layers, --num-layers is {layers}")
+    k = pattern.index(1) if 1 in pattern else len(pattern)
+    if any(x != 1 for x in pattern[k:]) or k == len(pattern):
+        raise InputError(f"{source}: {flag} {value!r}: only the first layers may be dense (memcalc models the "
+                         "first K layers dense, the rest MoE); valid: e.g. ([0]*3+[1]*58)")
+    return k
+
+
+def _experts_and_latents(args: dict[str, Any], imp: Imported, source: str, num: Any, text: Any) -> None:
+    """Megatron's MoE (`_add_moe_args`) and multi-latent attention (`_add_mla_args`, `--multi-latent-attention`)
+    arguments into --experts ... --v-head-dim, with Megatron's defaults where absent: top-k 2, expert width
+    --ffn-hidden-size, kv_lora_rank 32, qk_head_dim 128, qk_pos_emb_head_dim 64, v_head_dim 128, no query
+    latent (Megatron-LM megatron/training/arguments.py)."""
+    experts = num("--num-experts")
+    if experts is not None:
+        imp.set("experts", experts)
+        k = num("--moe-router-topk")
+        imp.set("top_k", 2 if k is None else k, default=k is None)
+        if k is None:
+            imp.notes.append("no --moe-router-topk: Megatron's default 2")
+        f = num("--moe-ffn-hidden-size")
+        width = f if f is not None else imp.values.get("ffn")
+        if f is not None:
+            imp.set("expert_ffn", f)
+        elif width is not None:
+            imp.set("expert_ffn", width, default=True)
+            imp.notes.append(f"no --moe-ffn-hidden-size: Megatron's default, the --ffn-hidden-size {width}")
+        shared = num("--moe-shared-expert-intermediate-size")
+        if shared is not None:
+            if width is None or shared % width:
+                raise InputError(f"{source}: --moe-shared-expert-intermediate-size {shared} is not a multiple of "
+                                 f"the expert width {width}; memcalc models shared experts as n experts of that width")
+            imp.set("shared_experts", shared // width)
+        freq = args.get("--moe-layer-freq")
+        if isinstance(freq, str):
+            imp.set("first_dense_layers", _layer_freq(freq, imp.values.get("layers"), source))
+        dispatcher = (text("--moe-token-dispatcher-type") or "allgather").lower()
+        if dispatcher != "alltoall":
+            imp.notes.append(f"--moe-token-dispatcher-type {dispatcher}"
+                             + (" (Megatron's default)" if "--moe-token-dispatcher-type" not in args else "")
+                             + ": memcalc models the alltoall dispatcher's buffers")
+        # the inventory memcalc models (docs/methodology.md, "MoE layer, megatron profile")
+        for flag, what in (("--moe-grouped-gemm", "TE's grouped GEMM"), ("--moe-permute-fusion", "TE's fused "
+                                                                                               "permutation")):
+            if not args.get(flag):
+                imp.notes.append(f"no {flag}: memcalc models the MoE layer with {what}")
+        etp = num("--expert-tensor-parallel-size")
+        if etp is not None and etp != imp.values.get("tp", 1):
+            imp.ignore("--expert-tensor-parallel-size", f"{etp}: experts are modelled with the attention's tensor "
+                                                         "parallelism (--tp)")
+    if args.get("--multi-latent-attention"):
+        dims = (("--kv-lora-rank", "kv_lora_rank", 32), ("--qk-head-dim", "qk_nope_dim", 128),
+                ("--qk-pos-emb-head-dim", "qk_rope_dim", 64), ("--v-head-dim", "v_head_dim", 128))
+        for flag, field, default in dims:
+            v = num(flag)
+            imp.set(field, default if v is None else v, default=v is None)
+            if v is None:
+                imp.notes.append(f"--multi-latent-attention without {flag}: Megatron's default {default}")
+        q = num("--q-lora-rank")
+        imp.set("q_lora_rank", 0 if q is None else q, default=q is None)
+        imp.values.pop("kv_heads", None)  # MLA: a key and a value per head
+        imp.from_config.discard("kv_heads")
+        if "--kv-channels" in args:
+            imp.notes.append("--kv-channels is not used by multi-latent attention (its widths are --qk-head-dim, "
+                             "--qk-pos-emb-head-dim and --v-head-dim)")
+    else:
+        for flag in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim"):
+            if flag in args:
+                imp.ignore(flag, "used only with --multi-latent-attention")
+        if args.get("--qk-layernorm"):  # with MLA: the latents' norms, which memcalc's MLA always has
+            imp.ignore("--qk-layernorm", "per-head query and key norms are not modelled (2 x head_dim parameters "
+                                         "and the normed q, k saved per layer)")
 
 
 def _model_shape(args: dict[str, Any], imp: Imported, source: str, num: Any, text: Any) -> None:
@@ -413,11 +548,11 @@ def _model_shape(args: dict[str, Any], imp: Imported, source: str, num: Any, tex
     tied = not args.get("--untie-embeddings-and-output-weights")
     imp.set("tied_embeddings", tied, default=tied)
     kv = num("--kv-channels")
-    if kv is not None and hidden is not None and dims["heads"] is not None and kv != hidden // dims["heads"]:
-        imp.ignore("--kv-channels", f"memcalc has no head-dim flag yet; it assumes hidden/heads = "
-                                    f"{hidden // dims['heads']}, not {kv}")
-    elif kv is not None:
-        imp.notes.append(f"--kv-channels {kv} equals hidden/heads")
+    if kv is not None and not args.get("--multi-latent-attention"):
+        if hidden is not None and dims["heads"] is not None and kv == hidden // dims["heads"]:
+            imp.notes.append(f"--kv-channels {kv} equals hidden/heads")
+        else:
+            imp.set("head_dim", kv)
     if vocab is None and any(v is not None for v in dims.values()):
         imp.needs_value.append("no --vocab-size / --padded-vocab-size (Megatron takes it from the tokenizer): "
                                "give --vocab N, or --model")
