@@ -234,6 +234,19 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     # per-expert transients the attention's backward (not modelled) is its highest moment
     add("MoE, vocab 64: attention backward is the peak", dict(X, precision="bf16", master_weights=False,
                                                                vocab=64), moe)
+    # multi-head latent attention (Hugging Face's DeepseekV3Attention, memcalc/validate/model.py LatentAttention)
+    # and a DeepSeek-shaped model: MLA, the first layer dense, 8 routed experts top-2 and a shared expert
+    A = dict(layers=2, hidden=128, heads=4, ffn=256, vocab=1000, seq=256, bias=False, kv_lora_rank=32,
+             qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16)
+    add("MLA (kv latent only), fp32, seq 256", dict(A, precision="fp32"))
+    add("MLA (q and kv latents), HF fp32 norms, bf16 AMP, seq 256", dict(A, precision="bf16", q_lora_rank=48,
+                                                                         norm_impl="fp32"))
+    DS = dict(A, layers=3, ffn=384, q_lora_rank=48, norm_impl="fp32", experts=8, top_k=2, expert_ffn=64,
+              shared_experts=1, first_dense_layers=1)
+    add("DeepSeek-shaped (MLA, dense first layer, MoE + shared), bf16 AMP", dict(DS, precision="bf16"))
+    add("DeepSeek-shaped, FSDP2 ZeRO-3 bf16, dp 2", dict(DS, precision="bf16", gpus=2, zero=3))
+    add("DeepSeek-shaped, full recompute, pure bf16", dict(DS, precision="bf16", master_weights=False,
+                                                           recompute="full"))
     return c
 
 

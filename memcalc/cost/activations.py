@@ -227,15 +227,19 @@ def _qkv_terms(run: Run, out: dict[str, Num], fused_qkv: bool, gqa: bool, eager:
         out["qkv_fused_buffer"] = c * tok * (heads + kv) * d
 
 
-def _latent_norm(run: Run, c: int, tok: Num, w: int) -> Num:
+def _latent_norm(run: Run, c: int, tok: Num, w: int, whole: int | None = None) -> Num:
     """What the RMSNorm of an MLA latent of width w saves and leaves for its up projection (whose saved input it
     is): Megatron fuses it into TELayerNormColumnParallelLinear, which saves its input, the normalized output
     and the fp32 rstd (TE layernorm_linear.py); HF's DeepseekV3RMSNorm is the eager fp32 norm (`--norm-impl fp32`,
     `_norm_saved`): an fp32 copy of the input and rstd, the normalized tensor for the weight's gradient and the
-    product the up projection saves. A fused norm otherwise: input + stats + output."""
+    product the up projection saves. A fused norm otherwise: input + stats + output.
+    `whole`: HF's kv latent is a `split` view of the down projection's output (kv_lora_rank + qk_rope_dim wide), so
+    a norm that saves its input as given (fused, or the fp32 form in fp32, where `.float()` returns the input
+    itself) keeps that whole output alive (measured: docs/validation.md, the MLA rows)."""
+    whole = w if whole is None or run.profile == "megatron" else whole
     if run.profile != "megatron" and run.training.norm_impl == "fp32":
-        return 4 * tok * w + 4 * tok + 2 * c * tok * w
-    return 2 * c * tok * w + 4 * tok
+        return 4 * tok * (whole if c == 4 else w) + 4 * tok + 2 * c * tok * w
+    return c * tok * whole + c * tok * w + 4 * tok
 
 
 def _mla_terms(run: Run, out: dict[str, Num]) -> None:
@@ -251,8 +255,9 @@ def _mla_terms(run: Run, out: dict[str, Num]) -> None:
     - the fp32 softmax statistics per head (4 H) and the attention output (H x v), the o projection's input.
     Megatron: megatron/core/transformer/multi_latent_attention.py, fused_mla_yarn_rope_apply.py, TE
     DotProductAttention (cuDNN fused attention: flash-attn does not take a value width different from the key's).
-    HF: transformers models/deepseek_v3/modeling_deepseek_v3.py DeepseekV3Attention. Read in the source, not
-    measured: the harness does not build MLA."""
+    HF: transformers models/deepseek_v3/modeling_deepseek_v3.py DeepseekV3Attention, built op by op by the harness
+    (memcalc/validate/model.py LatentAttention) and measured to the byte on CPU; the Megatron form is read in the
+    source, not measured."""
     m = run.model
     x = m.mla
     assert x is not None
@@ -262,7 +267,7 @@ def _mla_terms(run: Run, out: dict[str, Num]) -> None:
     out["qkv_input"] = c * tok_in * m.hidden * _input_copies(run, 2)
     if x.q_lora_rank:
         out["mla_q_latent"] = _latent_norm(run, c, tok, x.q_lora_rank)
-    out["mla_kv_latent"] = _latent_norm(run, c, tok, x.kv_lora_rank)
+    out["mla_kv_latent"] = _latent_norm(run, c, tok, x.kv_lora_rank, x.kv_lora_rank + x.qk_rope_dim)
     out["q"] = c * tok * heads * qk
     out["k"] = c * tok * heads * qk
     v_width = x.v_head_dim if run.profile == "megatron" else x.qk_nope_dim + x.v_head_dim
@@ -745,8 +750,10 @@ def every_stage_terms(run: Run, stage: Num) -> dict[str, Num]:
     out: dict[str, Num] = {}
     if m.positions == "rotary":
         # cos and sin, (b, s/cp, d) in the compute dtype, saved by the rotary multiplications of every layer
-        # (HF LlamaRotaryEmbedding computes them once per forward and passes them to all layers)
-        out["rotary_cos_sin"] = 2 * c * tok * m.head_dim
+        # (HF LlamaRotaryEmbedding computes them once per forward and passes them to all layers); MLA rotates
+        # only the qk_rope_dim part of each head
+        width = m.mla.qk_rope_dim if m.mla is not None else m.head_dim
+        out["rotary_cos_sin"] = 2 * c * tok * width
     if run.profile != "megatron":
         # torch.distributed.pipelining (`fwd_cache`) and DeepSpeed's PipelineEngine keep each stage's output until
         # its backward; Megatron frees its data once sent (`deallocate_pipeline_outputs=True`, Korthikanti

@@ -230,6 +230,84 @@ class Attention(nn.Module):
         return y
 
 
+class _WideKeyAttention(torch.autograd.Function):
+    """Causal SDPA with a value width below the query/key width (MLA) as CUDA runs it: torch's memory-efficient
+    kernel takes any value width and saves q, k, v, its output ((b, s, H, v) memory, read through a transposed view)
+    and the fp32 log-sum-exp. CPU's SDPA falls back to the math path for such shapes (saving the s x s
+    probabilities), so on every device this runs CPU's flash kernel on V zero-padded to the key width (the same
+    result: the padding only adds zero output columns) and keeps the efficient kernel's saved set. The padded copies
+    are transients of the call."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dv, pad = v.shape[-1], q.shape[-1] - v.shape[-1]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, F.pad(v, (0, pad)), 0.0, True)
+        y = out[..., :dv].transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, y, lse)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> Any:
+        q, k, v, y, lse = ctx.saved_tensors
+        pad = q.shape[-1] - v.shape[-1]
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            F.pad(gy, (0, pad)), q, k, F.pad(v, (0, pad)), F.pad(y, (0, pad)), lse, 0.0, True)
+        return gq, gk, gv[..., : v.shape[-1]]
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention in the op order of Hugging Face's `DeepseekV3Attention` (transformers
+    models/deepseek_v3/modeling_deepseek_v3.py, SDPA path; DeepSeek-V2 sec. 2.1): the query through its latent
+    (q_a, its RMSNorm, q_b) or one projection; one down projection to the kv latent and the shared rotary key,
+    `split`; the latent's RMSNorm and kv_b to per-head key (nope) and value parts, `split` again (V stays a view of
+    kv_b's output); rotary on the rope parts (the key's one head broadcast with `expand`), `cat` into Q and K;
+    SDPA with a value width of its own; o. The latent norms are `_norm`'s (fused or the fp32 eager form)."""
+
+    def __init__(self, m: ModelSpec, dropout: float, selective: bool, norm_impl: str = "fused"):
+        super().__init__()
+        x = m.mla
+        assert x is not None
+        h, a = m.hidden, m.heads
+        self.nope, self.rope, self.v_dim, self.rank = x.qk_nope_dim, x.qk_rope_dim, x.v_head_dim, x.kv_lora_rank
+        self.dropout, self.selective = dropout, selective
+        qk = self.nope + self.rope
+        if x.q_lora_rank:
+            self.q_a = nn.Linear(h, x.q_lora_rank, bias=False)
+            self.q_norm = _norm(m.model_copy(update={"hidden": x.q_lora_rank}), norm_impl)
+            self.q_b = nn.Linear(x.q_lora_rank, a * qk, bias=False)
+        else:
+            self.q = nn.Linear(h, a * qk, bias=False)
+        self.kv_a = nn.Linear(h, self.rank + self.rope, bias=False)
+        self.kv_norm = _norm(m.model_copy(update={"hidden": self.rank}), norm_impl)
+        self.kv_b = nn.Linear(self.rank, a * (self.nope + self.v_dim), bias=False)
+        self.o = nn.Linear(a * self.v_dim, h, bias=False)
+        self.cp_group: Any = None
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if v.shape[-1] < q.shape[-1] and q.device.type == "cpu":
+            return _WideKeyAttention.apply(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_b(self.q_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q(x)
+        q = q.view(b, s, -1, self.nope + self.rope).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [self.nope, self.rope], dim=-1)
+        latent, k_rot = torch.split(self.kv_a(x), [self.rank, self.rope], dim=-1)
+        kv = self.kv_b(self.kv_norm(latent)).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_pass, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
+        k_rot = k_rot.view(b, 1, s, self.rope)
+        assert rope is not None
+        cos, sin = rope
+        q_rot = q_rot * cos + _rotate_half(q_rot) * sin
+        k_rot = k_rot * cos + _rotate_half(k_rot) * sin
+        q = torch.cat((q_pass, q_rot), dim=-1)
+        k = torch.cat((k_pass, k_rot.expand(*k_pass.shape[:-1], -1)), dim=-1)
+        y = checkpoint(self._core, q, k, v, use_reentrant=False) if self.selective else self._core(q, k, v)
+        y = self.o(y.transpose(1, 2).reshape(b, s, -1))
+        return cuda_dropout(y, self.dropout, self.training)
+
+
 class MLP(nn.Module):
     def __init__(self, m: ModelSpec, dropout: float):
         super().__init__()
@@ -297,12 +375,16 @@ class MoE(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, m: ModelSpec, kernel: str, dropout: float, selective: bool, norm_impl: str = "fused",
-                 qkv_impl: str = "separate", gqa_impl: str = "native"):
+                 qkv_impl: str = "separate", gqa_impl: str = "native", dense: bool = False):
         super().__init__()
         self.norm1 = _norm(m, norm_impl)
-        self.attn = Attention(m, kernel, dropout, selective, qkv_impl, gqa_impl)
+        if m.mla is not None:
+            self.attn: nn.Module = LatentAttention(m, dropout, selective, norm_impl)
+        else:
+            self.attn = Attention(m, kernel, dropout, selective, qkv_impl, gqa_impl)
         self.norm2 = _norm(m, norm_impl)
-        self.mlp = MLP(m, dropout) if m.moe is None else MoE(m, dropout)
+        # an MoE model's first layers may keep a dense MLP of m.ffn (DeepSeek's first_k_dense_replace)
+        self.mlp = MLP(m, dropout) if m.moe is None or dense else MoE(m, dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope)
@@ -407,13 +489,14 @@ class GPT(nn.Module):
         blocks = []
         for i in range(m.layers):
             blk = Block(m, kernel, dropout, selective=recompute == "selective" and i < n_ckpt, norm_impl=norm_impl,
-                        qkv_impl=qkv_impl, gqa_impl=gqa_impl)
+                        qkv_impl=qkv_impl, gqa_impl=gqa_impl,
+                        dense=m.moe is not None and i < m.moe.first_dense_layers)
             if recompute in ("full", "op") and i < n_ckpt:
                 blk = Checkpointed(blk) if recompute == "full" else OpCheckpointed(blk)
             blocks.append(blk)
         self.layers = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
         self.rotary = m.positions == "rotary"
-        self.head_dim = m.head_dim
+        self.head_dim = m.mla.qk_rope_dim if m.mla is not None else m.head_dim  # the rotary width
         self.seq_offset = 0  # context parallelism: this rank's tokens start here in the sequence
         self.head: nn.Module | None = Head(m, norm_impl, loss_chunks, loss_chunk_size)
         if m.tied_embeddings:
