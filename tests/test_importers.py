@@ -621,6 +621,7 @@ def test_megatron_moe_layer_freq_dense_first(freq, dense):
     ("--moe-layer-freq __import__('os')", "is not a list of 0 (dense) and 1 (MoE)"),
     ("--moe-layer-freq [1]*99999999", "is not a list of 0 (dense) and 1 (MoE)"),
     ("--moe-shared-expert-intermediate-size 1500", "not a multiple of the expert width 1024"),
+    ("--multi-latent-attention", "add --disable-bias-linear"),
 ])
 def test_megatron_moe_arguments_memcalc_cannot_model_are_refused(extra, names):
     args = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 1024 --vocab-size 1000 "

@@ -463,6 +463,9 @@ def _experts_and_latents(args: dict[str, Any], imp: Imported, source: str, num: 
             imp.ignore("--expert-tensor-parallel-size", f"{etp}: experts are modelled with the attention's tensor "
                                                          "parallelism (--tp)")
     if args.get("--multi-latent-attention"):
+        if not args.get("--disable-bias-linear"):
+            raise InputError(f"{source}: --multi-latent-attention with biased linear layers (Megatron's default): "
+                             "memcalc models MLA layers without biases, as DeepSeek's; add --disable-bias-linear")
         dims = (("--kv-lora-rank", "kv_lora_rank", 32), ("--qk-head-dim", "qk_nope_dim", 128),
                 ("--qk-pos-emb-head-dim", "qk_rope_dim", 64), ("--v-head-dim", "v_head_dim", 128))
         for flag, field, default in dims:
