@@ -108,13 +108,13 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                  "K/V heads: flash_attn, SDPA enable_gqa, torchtitan) | expand (copied to every query head before "
                  "SDPA: torchtune, HF repeat_kv). Eager attention always expands.", panel=_T)),
     "loss": (str, "full", _opt("--loss", help="full (the loss upcasts all logits to fp32 and saves their "
-             "log-softmax: HF, torchtitan, Megatron) | fused (one kernel saves only the compute-dtype logits and writes "
-             "their gradient in place: TransformerEngine parallel_cross_entropy, Megatron-LM "
-             "--cross-entropy-loss-fusion --cross-entropy-fusion-impl te) | chunked (8 sequence chunks, each upcast and cross-entropied "
-             "inside torch.compile, which saves only the compute-dtype logits: torchtune CEWithChunkedOutputLoss "
-             "with compile) | chunked-eager (the same chunks in eager mode: every chunk's fp32 log-softmax is "
-             "saved) | lit-gpt (lit-gpt's LM head per 128-token chunk and chunked_cross_entropy: no upcast outside "
-             "autocast, and the training loop keeps the logits until the next forward).", panel=_T)),
+             "log-softmax: HF, torchtitan, Megatron) | fused (one kernel saves only the compute-dtype logits and "
+             "writes their gradient in place: TransformerEngine parallel_cross_entropy, Megatron-LM "
+             "--cross-entropy-loss-fusion --cross-entropy-fusion-impl te) | chunked (8 sequence chunks, each upcast "
+             "and cross-entropied inside torch.compile, which saves only the compute-dtype logits: torchtune "
+             "CEWithChunkedOutputLoss with compile) | chunked-eager (the same chunks in eager mode: every chunk's "
+             "fp32 log-softmax is saved) | lit-gpt (lit-gpt's LM head per 128-token chunk and chunked_cross_entropy: "
+             "no upcast outside autocast, and the training loop keeps the logits until the next forward).", panel=_T)),
     "keep_logits": (str, "none", _opt("--keep-logits", help="The training loop's reference to the model's "
                     "logits (`logits = model(x); loss_fn(logits, y).backward()`), live until the next forward "
                     "replaces it: none (dropped before backward: HF Trainer, del logits) | compute (nanoGPT's "

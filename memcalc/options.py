@@ -325,17 +325,13 @@ def build_model(o: RunOptions) -> tuple[ModelSpec, str | None]:
             data["kv_heads"] = overrides["heads"] if model.kv_heads == model.heads else model.kv_heads
         if {"hidden", "heads"} & set(overrides):
             data["head_dim"] = 0
-        if overrides:
-            data["name"] = f"{model.name}+overrides"
-            data["display_name"] = f"{model.display_name} (overridden: {', '.join(sorted(overrides))})"
         if "heads" in overrides or "kv_heads" in overrides:
             if data["heads"] % data["kv_heads"]:
                 raise InputError(f"--heads {data['heads']} is not a multiple of --kv-heads {data['kv_heads']}")
     arch = _architecture(o, data, explicit_kv="kv_heads" in overrides)
-    if arch and model is not None:
-        names = sorted({*overrides, *arch})
+    if model is not None and (overrides or arch):
         data["name"] = f"{model.name}+overrides"
-        data["display_name"] = f"{model.display_name} (overridden: {', '.join(names)})"
+        data["display_name"] = f"{model.display_name} (overridden: {', '.join(sorted({*overrides, *arch}))})"
     try:
         return ModelSpec(**data), assumed
     except ValidationError as e:
@@ -394,8 +390,8 @@ def build_run(o: RunOptions) -> Run:
         o = apply_imports(o)  # explicit = every field that differs from its default
     profile = check_choice("profile", o.profile)
     for field in ("precision", "grad_dtype", "optimizer", "recompute", "attention", "loss", "keep_logits", "offload",
-                  "schedule", "lora_targets", "base_dtype", "dp_mode", "cp_comm", "quant_backend", "norm_impl", "qkv_impl",
-                  "gqa_impl", "optimizer_impl"):
+                  "schedule", "lora_targets", "base_dtype", "dp_mode", "cp_comm", "quant_backend", "norm_impl",
+                  "qkv_impl", "gqa_impl", "optimizer_impl"):
         setattr(o, field, check_choice(field, getattr(o, field)))
     for flag, v in (("--gpus", o.gpus), ("--dp", o.dp), ("--tp", o.tp), ("--pp", o.pp), ("--vpp", o.vpp),
                     ("--cp", o.cp), ("--ep", o.ep), ("--seq", o.seq), ("--micro-batch", o.micro_batch),

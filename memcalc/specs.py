@@ -131,7 +131,8 @@ class ModelSpec(_Frozen):
             if self.qkv_bias or self.linear_bias:
                 raise ValueError("MLA layers have no biases (DeepSeek-V2/V3): set qkv_bias and linear_bias to false")
             if self.kv_heads != self.heads:
-                raise ValueError(f"MLA has one key/value per head: kv_heads {self.kv_heads} must equal heads {self.heads}")
+                raise ValueError(f"MLA has one key/value per head: kv_heads {self.kv_heads} must equal heads "
+                                 f"{self.heads}")
             if self.head_dim != self.mla.qk_nope_dim + self.mla.qk_rope_dim:
                 raise ValueError(f"MLA head_dim {self.head_dim} must be qk_nope_dim + qk_rope_dim = "
                                  f"{self.mla.qk_nope_dim + self.mla.qk_rope_dim}")
@@ -157,6 +158,8 @@ LORA_ALIASES: dict[str, str] = {
 def lora_projections(targets: str) -> tuple[str, ...]:
     """The projections a --lora-targets value adapts, in layer order: a named set (attn, qv, mlp, all) or a comma
     list of projections and sets ("q,v,o,mlp", PEFT's "q_proj,v_proj"). Raises ValueError naming what is valid."""
+    valid = (f"valid: a set ({', '.join(LORA_PROJECTIONS)}) or a comma list of {', '.join(LORA_PROJECTION_ORDER)} "
+             "(or q_proj ... down_proj, output_proj, w1/w2/w3)")
     chosen: set[str] = set()
     for token in (x.strip().lower() for x in targets.split(",")):
         if not token:
@@ -166,13 +169,9 @@ def lora_projections(targets: str) -> tuple[str, ...]:
         elif token in LORA_PROJECTION_ORDER or token in LORA_ALIASES:
             chosen.add(LORA_ALIASES.get(token, token))
         else:
-            raise ValueError(
-                f"--lora-targets {targets!r}: {token!r} is not a projection; valid: a set ({', '.join(LORA_PROJECTIONS)}) "
-                f"or a comma list of {', '.join(LORA_PROJECTION_ORDER)} (or q_proj ... down_proj, output_proj, w1/w2/w3)"
-            )
+            raise ValueError(f"--lora-targets {targets!r}: {token!r} is not a projection; {valid}")
     if not chosen:
-        raise ValueError(f"--lora-targets {targets!r} names no projection; valid: a set ({', '.join(LORA_PROJECTIONS)}) "
-                         f"or a comma list of {', '.join(LORA_PROJECTION_ORDER)}")
+        raise ValueError(f"--lora-targets {targets!r} names no projection; {valid}")
     return tuple(p for p in LORA_PROJECTION_ORDER if p in chosen)
 
 

@@ -26,6 +26,7 @@ from memcalc.cost.params import (
     dense_layer_run,
     first_dense_layers,
     head_params,
+    mlp_width,
     padded_vocab,
     stage_dense_layers,
     stage_layers,
@@ -347,8 +348,6 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     out["attn_norm"] = norm
     if normalized is not None:
         out["attn_norm_normalized"] = normalized
-    # norm output, input of the QKV projection (Korthikanti: 2sbh); one copy per projection under autocast (one
-    # for a fused QKV matrix)
     if m.mla is not None:
         _mla_terms(run, out)
     else:
@@ -1012,8 +1011,7 @@ def dequant_bytes(run: Run) -> tuple[Num, Num, Num, Num]:
     if not _dequantizes(t):
         return 0, 0, 0, 0
     c = DTYPE_BYTES[run.recipe.compute_dtype]
-    ffn = m.ffn if m.moe is None else m.moe.expert_ffn
-    layer = c * m.hidden * cdiv(ffn, run.tp)
+    layer = c * m.hidden * cdiv(mlp_width(m), run.tp)
     head = c * cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden if t.quantize_head else 0
     fwd = 1 if t.base_dtype == "nf4" else 0
     return fwd * layer, layer, fwd * head, head
@@ -1027,7 +1025,7 @@ def _down_matmul_extra(run: Run, mode: str, plain_layers: Num) -> Num:
     both inputs are extra there."""
     m = run.model
     c, tok, _, tok_in = _shape(run)
-    f_t = cdiv(m.ffn if m.moe is None else m.moe.expert_ffn, run.tp)
+    f_t = cdiv(mlp_width(m), run.tp)
     mlp_input = c * tok_in * m.hidden if _mlp_input_unsaved(run) else 0
     down_input = c * tok * f_t if _down_input_unsaved(run) else 0
     plain = mlp_input + down_input - _down_adapter_saved(run, tok, f_t)
@@ -1162,6 +1160,12 @@ def _layer_moment(mode: str, layer_tr: Num, remat: Num) -> Num:
     return layer_tr
 
 
+def _replace_layers(detail: dict[str, Num], new: dict[str, Num], old: dict[str, Num], count: Num) -> None:
+    """In a stage's per-term detail, `count` layers saving `old` replaced by layers saving `new` (in place)."""
+    for key in set(new) | set(old):
+        detail[key] = detail.get(key, 0) + (new.get(key, 0) - old.get(key, 0)) * count
+
+
 def _residual_grad_bytes(run: Run) -> Num:
     """The gradient of the residual stream flowing into a layer's backward: its dtype, sharded like it under SP."""
     c, _, tok_sp, _ = _shape(run)
@@ -1234,15 +1238,13 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         drun = dense_layer_run(run)
         d_plain = layer_terms(drun, "none")
         d_plain_bytes = sum(d_plain.values())
-        for key in set(d_plain) | set(plain):
-            detail[key] = detail.get(key, 0) + (d_plain.get(key, 0) - plain.get(key, 0)) * nd_plain * units
+        _replace_layers(detail, d_plain, plain, nd_plain * units)
         unit_bytes = unit_bytes + nd_plain * (d_plain_bytes - plain_bytes)
         d_remat = 0
         if mode != "none":
             d_kept = layer_terms(drun, mode)
             d_kept_bytes = sum(d_kept.values())
-            for key in set(d_kept) | set(kept):
-                detail[key] = detail.get(key, 0) + (d_kept.get(key, 0) - kept.get(key, 0)) * nd_ck * units
+            _replace_layers(detail, d_kept, kept, nd_ck * units)
             unit_bytes = unit_bytes + nd_ck * (d_kept_bytes - kept_bytes)
             d_remat = where(nd_plain > 0, 0, _remat_net(mode, d_plain, d_kept_bytes))  # the first is checkpointed
         # backward reaches the dense layers last: this micro-batch's MoE layers have freed their saved sets

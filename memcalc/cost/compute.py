@@ -1,6 +1,7 @@
 """FLOPs, step time, tokens/s and MFU. DESIGN.md section 6; derivations and sources in docs/methodology.md.
 
-FLOPs are counted from the layer shapes in memcalc/cost/params.py (`matrix_shapes`), never from a blended 6N:
+FLOPs are counted from the layer shapes in memcalc/cost/params.py (`attention_matrix_shapes`,
+`mlp_matrix_shapes`), never from a blended 6N:
 - matmuls: 2 FLOPs per weight element per token in the forward pass (one multiply-add), for every weight matrix a
   token passes through: q, k, v (GQA-sized), o, the MLP (2 or 3 matrices), for MoE the router plus `top_k` routed
   and the shared experts (only the active experts), and the LM head (2*h*V). The embedding lookup is not a matmul.
@@ -35,6 +36,7 @@ from memcalc.cost.params import (
     first_dense_layers,
     lora_layer_params,
     mlp_matrix_shapes,
+    mlp_width,
     stage_layers,
 )
 from memcalc.errors import InputError
@@ -72,10 +74,10 @@ def _rate(run: Run) -> float:
 
 def matmul_weights_per_token(run: Run) -> int:
     """Weight elements of one layer's matmuls that one token passes through (whole model, no TP split).
-    `matrix_shapes` lists q, k+v, o (attention) then the MLP matrices; for MoE the MLP entries are one expert."""
+    The attention's matrices and one MLP's (for MoE one expert's, times the experts a token passes)."""
     m = run.model
     attn = sum(r * c * k for r, c, k in attention_matrix_shapes(m, 1))
-    mlp = sum(r * c * k for r, c, k in mlp_matrix_shapes(m, m.ffn if m.moe is None else m.moe.expert_ffn, 1))
+    mlp = sum(r * c * k for r, c, k in mlp_matrix_shapes(m, mlp_width(m), 1))
     if m.moe is not None:
         # router (h x E) + the top-k routed experts + the shared experts (Fedus et al. 2021; Mixtral/DeepSeek-MoE)
         mlp = m.hidden * m.moe.experts + (m.moe.top_k + m.moe.shared_experts) * mlp

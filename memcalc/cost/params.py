@@ -238,11 +238,9 @@ def mlp_matrix_shapes(m: ModelSpec, ffn: int, tp: Num = 1) -> list[tuple[Num, Nu
     return [(ffn // tp, m.hidden, n_in), (m.hidden, ffn // tp, 1)]
 
 
-def matrix_shapes(m: ModelSpec, tp: Num = 1) -> list[tuple[Num, Num, int]]:
-    """(rows, cols, count per layer) of each weight matrix of a layer on one TP rank (for Adafactor's factored
-    second moment, FLOPs and TE's dummy wgrads): the attention's, then one MLP's (for MoE, one expert)."""
-    ffn = m.ffn if m.moe is None else m.moe.expert_ffn
-    return attention_matrix_shapes(m, tp) + mlp_matrix_shapes(m, ffn, tp)
+def mlp_width(m: ModelSpec) -> int:
+    """The width of a layer's MLP: the dense MLP's, or for MoE one expert's."""
+    return m.ffn if m.moe is None else m.moe.expert_ffn
 
 
 # --- fine-tuning: LoRA adapters, frozen and quantized base weights (issue 7) ---------------------------------
@@ -268,13 +266,12 @@ def lora_layer_params(m: ModelSpec, targets: str, rank: int, tp: Num = 1) -> Num
 def layer_matrix_stats(m: ModelSpec, tp: Num = 1, ep: Num = 1) -> tuple[Num, Num, int]:
     """(weight elements, weight rows, number of matrices) of one layer's linear weights on one rank: what a
     weight-only quantizer (bitsandbytes Linear4bit / Linear8bitLt) replaces; norms and biases stay unquantized."""
-    shapes = matrix_shapes(m, tp)
-    n_attn = len(attention_matrix_shapes(m, tp))
     n_mlps = 1 if m.moe is None else m.moe.experts // ep + m.moe.shared_experts
     elems, rows, count_total = 0, 0, 0
-    for i, (r, c, count) in enumerate(shapes):
-        k = count * (n_mlps if i >= n_attn else 1)
-        elems, rows, count_total = elems + k * r * c, rows + k * r, count_total + k
+    for shapes, mult in ((attention_matrix_shapes(m, tp), 1), (mlp_matrix_shapes(m, mlp_width(m), tp), n_mlps)):
+        for r, c, count in shapes:
+            k = count * mult
+            elems, rows, count_total = elems + k * r * c, rows + k * r, count_total + k
     return elems, rows, count_total
 
 
@@ -349,7 +346,7 @@ def first_backward_grad_elems(run: Run, stage: Num) -> tuple[Num, Num]:
     (the first weight gradient of a layer's backward). With `--params N` scaled to N like stage_params."""
     m = run.model
     head = where(stage == run.pp - 1, head_params(m, run.profile, run.tp) + norm_params(m), 0)
-    down = m.hidden * cdiv(m.ffn if m.moe is None else m.moe.expert_ffn, run.tp)
+    down = m.hidden * cdiv(mlp_width(m), run.tp)
     if m.params_override is None:
         return head, down
     full = shape_params(m)
@@ -370,8 +367,7 @@ def _dense_layer_tensor_shapes(m: ModelSpec, tp: Num) -> list[tuple[Num, Num, Nu
     dense layers)."""
     h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
     nrm = 2 if m.norm == "layernorm" else 1
-    per_layer: list[tuple[Num, Num, Num]] = [(r, c, k) for r, c, k in attention_matrix_shapes(m, tp)]
-    per_layer += [(r, c, k) for r, c, k in mlp_matrix_shapes(m, m.ffn, tp)]  # gate/up (or fc); down
+    per_layer: list[tuple[Num, Num, Num]] = [*attention_matrix_shapes(m, tp), *mlp_matrix_shapes(m, m.ffn, tp)]
     per_layer.append((h, 1, 2 * nrm))  # two norms (weight, + bias for LayerNorm)
     if m.mla is not None:
         per_layer.append((m.mla.kv_lora_rank, 1, 1))  # the latents' RMSNorms

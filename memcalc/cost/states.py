@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcalc.cost.params import attention_matrix_shapes, matrix_shapes, stage_layers, stage_params
+from memcalc.cost.params import attention_matrix_shapes, mlp_matrix_shapes, mlp_width, stage_layers, stage_params
 from memcalc.specs import DTYPE_BYTES, Run
 from memcalc.xp import cdiv, muldiv, where
 
@@ -84,9 +84,8 @@ def _adafactor_elems(run: Run, n_elems: Num, stage: Num) -> Num:
 
     m = run.model
     h = m.hidden
-    shapes = matrix_shapes(m, run.tp)
-    n_attn = len(attention_matrix_shapes(m, run.tp))
-    attn, mlp = shapes[:n_attn], shapes[n_attn:]  # q; k and v; o (MLA: five)  |  gate/up (or fc); down
+    attn = attention_matrix_shapes(m, run.tp)  # q; k and v; o (MLA: five)
+    mlp = mlp_matrix_shapes(m, mlp_width(m), run.tp)  # gate/up (or fc); down (MoE: one expert)
 
     def stats(group: list) -> tuple[Num, Num]:
         f, e = 0, 0

@@ -38,8 +38,9 @@ def render_presets(json_out: bool = False) -> None:
     for c in ("name", "params", "layers", "hidden", "heads (kv)", "aliases"):
         t.add_column(c, justify="right" if c in ("params", "layers", "hidden") else "left")
     for m in models:
-        t.add_row(m["name"], format_count(m["params"]), str(m["layers"]), str(m["hidden"]),
-                  f"{m['heads']} ({m['kv_heads']})" + (" MLA" if m["mla"] else "") + (" MoE" if m["moe"] else ""), ", ".join(m["aliases"]))
+        heads = f"{m['heads']} ({m['kv_heads']})" + (" MLA" if m["mla"] else "") + (" MoE" if m["moe"] else "")
+        t.add_row(m["name"], format_count(m["params"]), str(m["layers"]), str(m["hidden"]), heads,
+                  ", ".join(m["aliases"]))
     con.print(t)
     g = Table(title="GPUs", box=None, header_style="bold", title_justify="left")
     for c in ("name", "memory", "bf16 dense", "per node", "aliases"):

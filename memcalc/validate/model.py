@@ -6,7 +6,9 @@ Op by op (what autograd saves is what the activation model must count; see docs/
   nn.Linear, GQA-sized k/v) -> rotary on q, k (rotate-half form, cos/sin computed once per forward in the
   activation dtype) -> attention core (SDPA with is_causal and enable_gqa for `flash`; matmul + additive causal bias + softmax + matmul for `eager`, k/v
   repeated for GQA) -> o -> residual add -> `norm2` -> MLP (SwiGLU: down(silu(gate(x)) * up(x)); GELU:
-  proj(gelu_tanh(fc(x))); MoE models: `MoE`, HF's MixtralSparseMoeBlock with balanced routing) -> residual add;
+  proj(gelu_tanh(fc(x))); MoE models: `MoE`, HF's MixtralSparseMoeBlock with balanced routing, the first
+  `first_dense_layers` keeping the dense MLP) -> residual add; MLA models: `LatentAttention` (HF
+  DeepseekV3Attention) in place of q/k/v/o;
   dropout (when > 0, CUDA's native_dropout with its bool mask on every device) after o, after the MLP and on the
   attention probabilities;
 - final norm, LM head (tied: shares `tok.weight`), logits in the compute dtype; the loss upcasts them to fp32
@@ -234,9 +236,9 @@ class _WideKeyAttention(torch.autograd.Function):
     """Causal SDPA with a value width below the query/key width (MLA) as CUDA runs it: torch's memory-efficient
     kernel takes any value width and saves q, k, v, its output ((b, s, H, v) memory, read through a transposed view)
     and the fp32 log-sum-exp. CPU's SDPA falls back to the math path for such shapes (saving the s x s
-    probabilities), so on every device this runs CPU's flash kernel on V zero-padded to the key width (the same
-    result: the padding only adds zero output columns) and keeps the efficient kernel's saved set. The padded copies
-    are transients of the call."""
+    probabilities), so there this runs CPU's flash kernel on V zero-padded to the key width (the same result: the
+    padding only adds zero output columns) and keeps the efficient kernel's saved set. The padded copies are
+    transients of the call. On CUDA, SDPA itself picks the efficient kernel."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ def check_supported(run: Run, world: str, device: str) -> None:
         raise Unsupported("mixture-of-experts models run in the harness without expert or tensor parallelism "
                           "(ep = tp = 1: Hugging Face's MixtralSparseMoeBlock over DDP / FSDP2 / pipelining)")
     if m.mla is not None and (run.tp > 1 or t.qkv_impl != "separate" or t.gqa_impl != "native"
-                              or t.attention != "flash" or t.lora_rank is not None or run.training.dropout):
+                              or t.attention != "flash" or t.lora_rank is not None or run.dropout > 0):
         raise Unsupported("multi-head latent attention runs in the harness without tensor parallelism (tp = 1), "
                           "with --attention flash, no dropout and no LoRA (Hugging Face's DeepseekV3Attention)")
     if run.cp > 1:
