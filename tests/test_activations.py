@@ -320,8 +320,19 @@ def test_eager_attention_gqa_repeats_kv_and_keeps_scores():
     r = make(llama3_8b(), "torch", seq=T, attention="eager")
     terms = layer_terms(r)
     assert terms["k"] == terms["v"] == 2 * T * a * d  # repeat_kv before the matmuls that save them
-    assert terms["attn_softmax"] == 2 * a * T * T  # no dropout: the softmax output, saved once
+    # Hugging Face's eager attention, softmax(scores, dtype=float32).to(bf16): softmax saves its fp32 output and
+    # the value matmul the bf16 copy, 4 + 2 bytes per score (docs/validation.md "eager attention" rows; before
+    # this, a bf16 eager step measured 27% above the prediction)
+    assert terms["attn_softmax"] == 4 * a * T * T == 536_870_912
+    assert terms["attn_probs"] == 2 * a * T * T
     assert "attn_dropout_mask" not in terms
+    # with dropout the bf16 copy is read by dropout only, which keeps its mask and output instead
+    drop = layer_terms(make(llama3_8b(), "torch", seq=T, attention="eager", dropout=0.1))
+    assert "attn_probs" not in drop and drop["attn_dropout_output"] == 2 * a * T * T
+    # in fp32 the cast is the same tensor; Megatron's fused softmax runs in the compute dtype: saved once
+    assert "attn_probs" not in layer_terms(make(llama3_8b(), "torch", seq=T, attention="eager", precision="fp32"))
+    mega = layer_terms(make(llama3_8b(), "megatron", seq=T, attention="eager"))
+    assert mega["attn_softmax"] == 2 * a * T * T and "attn_probs" not in mega
 
 
 def test_gqa_expand_saves_all_head_kv_copies():

@@ -318,6 +318,13 @@ def megatron_moe_forward_transient(run: Run) -> Num:
     return 4 * c * m.moe.top_k * tok * m.hidden + c * tok * m.hidden
 
 
+def _hf_softmax_copy(run: Run) -> bool:
+    """Eager attention whose softmax runs in fp32 beside a compute-dtype copy of its output (Hugging Face's
+    `softmax(dtype=float32).to(dtype)`, the torch and deepspeed profiles) rather than in the compute dtype (Megatron's
+    fused scale-mask-softmax, saved once: Korthikanti sec. 4.1)."""
+    return run.training.attention == "eager" and run.profile != "megatron" and _shape(run)[0] != 4
+
+
 def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) -> dict[str, Num]:
     """Bytes saved for backward by one transformer layer for one micro-batch on one rank, by named term.
 
@@ -361,6 +368,13 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
             # once when there is no dropout: softmax backward and the matmul with V both use it)
             scores = heads * tok * run.seq
             out["attn_softmax"] = c * scores
+            if _hf_softmax_copy(run):
+                # Hugging Face's eager attention: softmax(scores, dtype=float32).to(dtype) (transformers
+                # models/llama/modeling_llama.py eager_attention_forward): softmax saves its fp32 output, and the
+                # value matmul (or dropout) reads the compute-dtype copy; in fp32 the cast is the same tensor
+                out["attn_softmax"] = 4 * scores
+                if not dropout:
+                    out["attn_probs"] = c * scores  # saved by the value matmul
             if dropout:
                 out["attn_dropout_mask"] = scores  # 1 byte per element (bool mask): as^2b
                 out["attn_dropout_output"] = c * scores  # the dropped softmax, saved by the matmul with V
@@ -852,6 +866,8 @@ class StageActivations:
     # inside the first layer's backward of the stage's first backward: the loss terms freed, the layer's
     # activation-gradient transients live (`layer_backward_transient`), a checkpointed layer re-materialised
     backward_layer_bytes: Num
+    # the same layer's attention-core backward (`attention_backward`; a large negative number where not modelled)
+    backward_attention_bytes: Num
     # the same moment in a later micro-batch's backward (pipelining, gradient accumulation): as many units held
     # as at its start, the layer's transients on top (0 with one micro-batch)
     backward_later_layer_bytes: Num
@@ -900,10 +916,10 @@ def _offloaded_layer_at(parts: tuple[Num, ...], k: Num) -> Num:
 # terms saved in forward up to and including the attention core; the rest of a layer (output projection, MLP,
 # their norms and masks) is saved after it, so its backward runs (and frees them) before the core's
 _UP_TO_CORE = ("attn_norm", "attn_norm_normalized", "qkv_input", "mla_q_latent", "mla_kv_latent", "q", "k", "v",
-               "qkv_fused_buffer", "attn_softmax",
+               "qkv_fused_buffer", "attn_softmax", "attn_probs",
                "attn_dropout_mask", "attn_dropout_output", "attn_lse", "lora_attn_low_rank", "lora_dropout_qkv",
                "lora_dropout_qkv_mask", "lora_qkv_zero_pad")
-_CORE = ("attn_softmax", "attn_dropout_mask", "attn_dropout_output", "attn_lse")
+_CORE = ("attn_softmax", "attn_probs", "attn_dropout_mask", "attn_dropout_output", "attn_lse")
 # saved before an all-to-all CP exchange of Q, K, V (`_saved_after_exchange`)
 _BEFORE_EXCHANGE = frozenset(k for k in _UP_TO_CORE if k not in _CORE) | {"checkpoint_input", "sac_q_output",
                                                                          "sac_v_output"}
@@ -1053,7 +1069,7 @@ def layer_backward_transient(run: Run) -> Num:
     c, tok, _, _ = _shape(run)
     stream = _residual_grad_bytes(run)
     if m.moe is not None and run.profile != "megatron":
-        return stream + _hf_moe_backward_transient(run)
+        return stream + imax(_hf_moe_backward_transient(run), attention_backward(run))
     if run.profile == "megatron" and run.training.lora_rank is None and not _dequantizes(run.training):
         return stream + imax(_megatron_mlp_backward(run), megatron_attention_backward(run))
     if m.moe is None:
@@ -1070,7 +1086,50 @@ def layer_backward_transient(run: Run) -> Num:
     adapter = 0
     if _dequantizes(run.training) and _down_adapted(run):
         adapter = c * tokens * f_t - _down_adapter_saved(run, tokens, f_t)
-    return stream + imax(factors * c * tokens * f_t, c * tokens * f_t + dq + adapter)
+    mlp = imax(factors * c * tokens * f_t, c * tokens * f_t + dq + adapter)
+    return stream + (mlp if run.profile == "megatron" else imax(mlp, attention_backward(run)))
+
+
+def attention_backward(run: Run) -> Num:
+    """The attention core's backward moment beyond the layer's saved set and the residual stream's gradient (torch
+    and deepspeed profiles; Megatron's is `megatron_attention_backward`). By then the output projection, the MLP
+    and their norms and masks (the terms saved after the core) have run their backward and freed what they saved,
+    and the output projection's input gradient dO (c tok a/t v) is live.
+    - flash / SDPA: the kernel's dQ, dK, dV (the sizes of the saved Q, K, V) beside dO; the kernel's own output,
+      which the output projection read, is saved until then.
+    - eager (Hugging Face's `softmax(dtype=float32).to(dtype)`, `_hf_softmax_copy`): the value matmul's backward
+      makes dV (the saved, repeated V's size) and the probabilities' gradient dP (c S, S = a/t tok s); its saved
+      probabilities (the copy, or the dropped ones with their mask) and V are freed as the upcast dP (4 S) and
+      softmax's fp32 gradient (4 S) are made beside softmax's saved output: 8 S + dV - V - (the core's terms but
+      the softmax output); before that, the matmul itself with dO and dP live (c S + dO + dV).
+    Derived from autograd's op order and measured to the byte by the harness's blocks on the CPU
+    (tests/test_validate_norm.py's companion test_attention_backward_moment_to_the_byte). On a GPU the kernels'
+    own workspaces come on top and are not counted: FlashAttention-2's backward (PyTorch flash_api.cpp mha_bwd)
+    allocates an fp32 dQ accumulator (4 b s_128 a/t d_32, sequence rounded up to 128 and head width to 32), its
+    fp32 softmax sum (4 b a/t s_128) and, under GQA, dK and dV expanded to every query head (2 c tok a/t d); none
+    is visible to the CPU's tracker. The moment is the layer's highest only when the MLP's saved set is small
+    next to it (ffn far below h, or eager attention at long sequences)."""
+    m = run.model
+    mode = run.training.recompute
+    if run.profile == "megatron" or mode == "selective" or m.mla is not None:
+        return _NEVER
+    c, tok, _, _ = _shape(run)
+    terms = layer_terms(run, "none")
+    d_v = m.mla.v_head_dim if m.mla is not None else m.head_dim
+    d_o = c * tok * (m.heads // run.tp) * d_v
+    before = sum(x for k, x in terms.items() if k in _UP_TO_CORE)
+    after = sum(terms.values()) - before  # freed by the output projection's, the MLP's and their norms' backward
+    if run.training.attention != "eager":
+        # the kernel's output is the output projection's saved input (`attn_output`): still live
+        moment = d_o + terms["q"] + terms["k"] + terms["v"] - (after - terms["attn_output"])
+    else:
+        scores = (m.heads // run.tp) * tok * run.seq
+        core_but_softmax = sum(terms.get(k, 0) for k in _CORE if k != "attn_softmax")
+        at_matmul = d_o + terms["v"] + c * scores - after
+        at_softmax = 8 * scores - after - core_but_softmax
+        moment = imax(at_matmul, at_softmax)
+    # context parallelism exchanges K/V (ring) or Q/K/V (all-to-all) inside the core: not derived here
+    return where(run.cp > 1, _NEVER, moment)
 
 
 def _megatron_mlp_backward(run: Run) -> Num:
@@ -1384,6 +1443,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     base = held - head_freed
     parts = (base, plain_layers, unit_layers, plain_bytes, kept_bytes, layer_tr, at_layer)
     layer_bwd = _offloaded_layer_at(parts, 0) if off else base + at_layer
+    attn = attention_backward(run)
+    modelled = not off and not (isinstance(attn, int) and attn == _NEVER)
+    attn_bwd = base + _layer_moment(mode, _residual_grad_bytes(run) + attn, remat) if modelled else _NEVER
     pair = w_last + w_prev
     return StageActivations(
         held_bytes=held + w_last,
@@ -1391,6 +1453,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_first_bytes=held + w_last + bwd_tr,
         backward_later_bytes=held_later + w_last + where(total_units > 1, bwd_tr, 0) + sent,
         backward_layer_bytes=layer_bwd,
+        backward_attention_bytes=attn_bwd,
         backward_later_layer_bytes=where(total_units > 1, layer_bwd - held + held_later + sent, 0),
         forward_head_bytes=base + w_last + logits + where(last, _head_live(run) + dq_head_fwd, 0),
         forward_layer_bytes=base - one_layer + w_prev,

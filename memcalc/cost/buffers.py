@@ -26,6 +26,7 @@ from typing import Any
 
 from memcalc.cost.params import (
     embedding_params,
+    first_attention_grad_elems,
     first_backward_grad_elems,
     head_params,
     dense_layer_params,
@@ -255,6 +256,19 @@ def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
     phases = fwd_only if run.training.recompute in ("full", "op") else FWD_BWD
     elems = n_train if run.training.lora_rank is not None else _matmul_weight_elems(run, stage)
     return Buffer(cb * elems, phases, "autocast low-precision copies of the weights")
+
+
+def amp_casts_freed_at_attention(run: Run, stage: Num) -> Num:
+    """Of `_amp_casts`' saved copies, those of the first layer's output projection and MLP (router, experts), which
+    their backward frees before the attention core's (`activations.attention_backward`); 0 where the copies are
+    not held through backward (full or op-level recompute, FSDP2's sharded units, LoRA's casts of the adapters)."""
+    r, t = run.recipe, run.training
+    if run.profile != "torch" or not r.compute_copy or t.lora_rank is not None or t.recompute in ("full", "op"):
+        return 0
+    head, _ = first_backward_grad_elems(run, stage)
+    elems = first_attention_grad_elems(run, stage) - head - norm_params(run.model)
+    fsdp = (run.zero >= 2) & (run.shard_degree > 1)
+    return where(fsdp, 0, DTYPE_BYTES[r.compute_dtype] * elems)
 
 
 def _pipeline_recv_buffers(run: Run, stage: Num) -> Num:

@@ -353,6 +353,21 @@ def first_backward_grad_elems(run: Run, stage: Num) -> tuple[Num, Num]:
     return muldiv(head, m.params_override, full), muldiv(down, m.params_override, full)
 
 
+def first_attention_grad_elems(run: Run, stage: Num) -> Num:
+    """Parameters whose gradients a stage's backward has made when its first layer's backward reaches the attention
+    core (`activations.attention_backward`), per rank: the LM head and final norm (last stage) and the layer's
+    output projection, MLP (or router and experts) and post-attention norm; its input norm and Q, K, V come later.
+    Not used for MLA (the attention moment is not modelled there)."""
+    m = run.model
+    head, _ = first_backward_grad_elems(run, stage)
+    dense, expert = layer_params(m, run.tp, run.ep)
+    o = m.hidden * (m.heads * m.head_dim // run.tp) + (m.hidden if m.linear_bias else 0)
+    after = dense + expert - (attention_params(m, run.tp) - o) - norm_params(m)
+    if m.params_override is None:
+        return head + after
+    return head + muldiv(after, m.params_override, shape_params(m))
+
+
 def layer_tensor_shapes(run: Run) -> list[tuple[Num, Num, Num]]:
     """(dim0, elements per dim0 row, count) of the parameter tensors of one transformer layer after TP sharding."""
     m, tp = run.model, run.tp

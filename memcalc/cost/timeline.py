@@ -26,8 +26,13 @@ import dataclasses
 from typing import Any
 
 from memcalc.cost.activations import stage_activations
-from memcalc.cost.buffers import fsdp_backward_release_bytes, side_stream_pools, stage_buffers
-from memcalc.cost.params import first_backward_grad_elems, layer_params, stage_params
+from memcalc.cost.buffers import (
+    amp_casts_freed_at_attention,
+    fsdp_backward_release_bytes,
+    side_stream_pools,
+    stage_buffers,
+)
+from memcalc.cost.params import first_attention_grad_elems, first_backward_grad_elems, layer_params, stage_params
 from memcalc.cost.states import ModelStates, model_states
 from memcalc.specs import DTYPE_BYTES, Run
 from memcalc.xp import imax, imin, muldiv, where
@@ -97,17 +102,25 @@ def _highest(*moments: dict[str, Num]) -> dict[str, Num]:
     return best
 
 
-def _first_grads(run: Run, stage: Num) -> Num:
-    """Gradient bytes allocated when the first layer's backward reaches its highest moment, where gradients are
-    not persistent (params.first_backward_grad_elems). Frozen weights (LoRA, --freeze) produce none; under FSDP2
-    they are unsharded gradients, a buffer until their reduce-scatter (buffers.py), not a gradient state."""
+def _first_grad_bytes(run: Run) -> Num:
+    """Bytes per parameter of the gradients a first backward allocates where gradients are not persistent: none for
+    frozen weights (LoRA, --freeze); under FSDP2 they are unsharded gradients, a buffer until their reduce-scatter
+    (buffers.py), not a gradient state."""
     t = run.training
     if t.lora_rank is not None or t.freeze:
         return 0
     fsdp = 1 if (run.profile == "torch" and run.zero >= 2) else 0
-    gb = DTYPE_BYTES[run.recipe.grad_dtype] * where(run.shard_degree > 1, 1 - fsdp, 1)
+    return DTYPE_BYTES[run.recipe.grad_dtype] * where(run.shard_degree > 1, 1 - fsdp, 1)
+
+
+def _first_grads(run: Run, stage: Num) -> tuple[Num, Num]:
+    """Gradient bytes allocated when the first layer's backward reaches its highest moment (the MLP's:
+    params.first_backward_grad_elems) and its attention core's (params.first_attention_grad_elems)."""
+    gb = _first_grad_bytes(run)
+    if isinstance(gb, int) and gb == 0:
+        return 0, 0
     head, down = first_backward_grad_elems(run, stage)
-    return gb * (head + down)
+    return gb * (head + down), gb * first_attention_grad_elems(run, stage)
 
 
 def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
@@ -123,6 +136,8 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
         for ph in b.phases:
             at[ph] = at.get(ph, 0) + b.bytes
             side_at[ph] = side_at.get(ph, 0) + b.side_stream_bytes
+    # the first layer's attention-core backward: the backward's buffers less the autocast copies freed by then
+    at["backward_attention"] = at.get("backward_layer", 0) - amp_casts_freed_at_attention(run, stage)
     grads = s.grads + s.grads_fp32
     first_grads, shares = _first_grads(run, stage), _layer_shares(run, stage)
     phases = _phases(run, s, act, at, grads, first_grads, shares)
@@ -167,7 +182,7 @@ def _layer_shares(run: Run, stage: Num) -> tuple[Num, Num, Num]:
     return dense_l + expert_l, imax(dense_s + expert_s, 1), fsdp_backward_release_bytes(run, stage)
 
 
-def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: Num,
+def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
             shares: tuple[Num, Num, Num]) -> tuple[Phase, ...]:
     """The phases of the step: each the highest of its moments (`_moments`)."""
     fwd, bwd, opt, _ = _moments(run, s, act, at, grads, first_grads, shares)
@@ -178,7 +193,7 @@ def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, 
     )
 
 
-def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: Num,
+def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
                    shares: tuple[Num, Num, Num], stranded: Num) -> tuple[Num, Num]:
     """(highest total over every moment of the step, the same with `stranded` bytes added at the loss gradient:
     the first backward's, and a later micro-batch's where there is one)."""
@@ -190,7 +205,7 @@ def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads
     return peak, imax(peak, at_loss)
 
 
-def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: Num,
+def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
              shares: tuple[Num, Num, Num]) -> tuple[list[dict[str, Num]], list[dict[str, Num]], dict[str, Num],
                                                tuple[dict[str, Num], dict[str, Num]]]:
     """The candidate moments of forward and backward and the optimizer step, from the states, the activations, the
@@ -229,10 +244,10 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # the layer's gradient transients and the first weight gradients live), the start of a later backward
     # (fewer or as many activations, all gradients allocated), and the end of backward (FSDP2's root reduce)
     if s.grads_persistent:
-        first_g, layer_g, later_g = grads, grads, grads
+        first_g, layer_g, attn_g, later_g = grads, grads, grads, grads
         later_act = act.backward_first_bytes
     else:
-        first_g, layer_g, later_g = zero, imin(first_grads, grads), grads
+        first_g, layer_g, attn_g, later_g = zero, imin(first_grads[0], grads), imin(first_grads[1], grads), grads
         later_act = act.backward_later_bytes
     # later layers of the first backward: each frees one layer's activations (a) and adds one layer's gradients
     # (g; FSDP2: the sharded ones, plus the previous unit's reduce-scatter input held in flight,
@@ -267,6 +282,8 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     bwd = [
         first_loss,
         moment(layer_g, act.backward_layer_bytes, buf("backward_layer") + where(more, pre, 0)),
+        # the first layer's attention core (its output projection's and MLP's gradients made by then)
+        moment(attn_g, act.backward_attention_bytes, buf("backward_attention") + where(more, pre, 0)),
         moment(layer_g, act.backward_post_bytes, buf("backward_post") + where(more, pre, 0)),
         moment(layer_g + where(more, g, 0), acts_at(1),
                buf("backward_layer") + where(more, buf("backward_layer_next") - rel, 0) + where(n_l > 2, pre, 0)),

@@ -125,7 +125,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
     import torch.distributed as dist
 
     from memcalc.cost.activations import LITGPT_CHUNK_TOKENS, LOSS_CHUNKS
-    from memcalc.validate.model import GPT, chunked_loss_fn, loss_fn
+    from memcalc.validate.model import GPT, RMSNorm, chunked_loss_fn, loss_fn
     from memcalc.validate.parallelize import (
         apply_fsdp,
         apply_tp,
@@ -179,10 +179,14 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
             _untracked_gloo_reduce_scatter(tracker, gloo):
         def new_gpt() -> Any:
             with torch.device(torch_device):
-                return GPT(m, kernel=t.attention, dropout=run.dropout, recompute=t.recompute,
-                           recompute_layers=t.recompute_layers, norm_impl=t.norm_impl, qkv_impl=t.qkv_impl,
-                           gqa_impl=t.gqa_impl, loss_chunks=LOSS_CHUNKS if t.loss in ("chunked", "chunked-eager")
-                           else 0, loss_chunk_size=LITGPT_CHUNK_TOKENS if t.loss == "lit-gpt" else 0)
+                gpt = GPT(m, kernel=t.attention, dropout=run.dropout, recompute=t.recompute,
+                          recompute_layers=t.recompute_layers, norm_impl=t.norm_impl, qkv_impl=t.qkv_impl,
+                          gqa_impl=t.gqa_impl, loss_chunks=LOSS_CHUNKS if t.loss in ("chunked", "chunked-eager")
+                          else 0, loss_chunk_size=LITGPT_CHUNK_TOKENS if t.loss == "lit-gpt" else 0)
+            for mod in gpt.modules():
+                if isinstance(mod, RMSNorm):  # a fused kernel's intermediates are not allocations (_FusedRMSNorm)
+                    mod.untracked = tracker.paused
+            return gpt
 
         model = new_gpt()
         if param_dtype != torch.float32:

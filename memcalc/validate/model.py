@@ -34,30 +34,51 @@ from memcalc.specs import ModelSpec, lora_projections
 class _FusedRMSNorm(torch.autograd.Function):
     """y = x * rstd * w with rstd = rsqrt(mean(x^2) + eps) in fp32, saving only (x, rstd): what the CUDA kernel
     behind nn.RMSNorm (`aten._fused_rms_norm`, torch >= 2.8) and Apex / Transformer Engine fused norms keep for
-    backward. On CPU torch runs the composite pow/mean/rsqrt/mul path instead, which also saves x * rstd."""
+    backward. On CPU torch runs the composite pow/mean/rsqrt/mul path instead, which also saves x * rstd.
+    Like the fused kernels, forward allocates only y and rstd and backward only the input's and the weight's
+    gradients: the fp32 intermediates (x.float(), x * rstd, the upcast output gradient) live in registers there,
+    so here they are computed with the tracker paused (`untracked`, set by the harness) and copied into the tracked
+    outputs."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, eps: float, untracked: Any) -> torch.Tensor:
+        with untracked():
+            xf = x.float()
+            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            yv = (xf * r).to(x.dtype) * w
+        rstd, y = torch.empty_like(r), torch.empty_like(yv)
+        rstd.copy_(r)
+        y.copy_(yv)
         ctx.save_for_backward(x, rstd, w)
-        return (x.float() * rstd).to(x.dtype) * w
+        ctx.untracked = untracked
+        return y
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> Any:
         x, rstd, w = ctx.saved_tensors
-        xhat = x.float() * rstd
-        gw = (gy.float() * xhat).sum(dim=tuple(range(gy.dim() - 1))).to(w.dtype)
-        g = gy.float() * w.float()
-        gx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-        return gx.to(x.dtype), gw, None
+        with ctx.untracked():
+            xhat = x.float() * rstd
+            gwv = (gy.float() * xhat).sum(dim=tuple(range(gy.dim() - 1))).to(w.dtype)
+            g = gy.float() * w.float()
+            gxv = (rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        # outputs shaped (and, under TP, placed: a sequence-sharded weight gradient is a partial sum) as computed
+        gx, gw = torch.empty_like(gxv), torch.empty_like(gwv)
+        gx.copy_(gxv)
+        gw.copy_(gwv)
+        return gx, gw, None, None
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm with the saved tensors of its fused CUDA kernel on every device (see `_FusedRMSNorm`); the cost
-    model counts the input and the fp32 rstd (memcalc/cost/activations.py `_fp32_norm_stats`)."""
+    """nn.RMSNorm with the saved tensors and the allocations of its fused CUDA kernel on every device (see
+    `_FusedRMSNorm`); the cost model counts the input and the fp32 rstd (memcalc/cost/activations.py
+    `_fp32_norm_stats`)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.untracked: Any = contextlib.nullcontext  # the harness sets its tracker's pause
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FusedRMSNorm.apply(x, self.weight, self.eps)
+        return _FusedRMSNorm.apply(x, self.weight, self.eps, self.untracked)
 
 
 class EagerRMSNorm(nn.Module):
