@@ -1064,7 +1064,7 @@ def layer_backward_transient(run: Run) -> Num:
     gradient, net c tok f/t. A quantized down projection holds its dequantized weight while it computes the
     c tok f/t input gradient (`dequant_bytes`). Derived from the op order of autograd's backward (aten mm / mul /
     silu_backward; measured op by op by the harness, docs/validation.md). The weight gradients are counted by the
-    timeline."""
+    timeline. The attention core's backward (`attention_backward`), later in the layer, is the other candidate."""
     m = run.model
     c, tok, _, _ = _shape(run)
     stream = _residual_grad_bytes(run)
@@ -1103,7 +1103,7 @@ def attention_backward(run: Run) -> Num:
       softmax's fp32 gradient (4 S) are made beside softmax's saved output: 8 S + dV - V - (the core's terms but
       the softmax output); before that, the matmul itself with dO and dP live (c S + dO + dV).
     Derived from autograd's op order and measured to the byte by the harness's blocks on the CPU
-    (tests/test_validate_norm.py's companion test_attention_backward_moment_to_the_byte). On a GPU the kernels'
+    (tests/test_validate_attention.py). On a GPU the kernels'
     own workspaces come on top and are not counted: FlashAttention-2's backward (PyTorch flash_api.cpp mha_bwd)
     allocates an fp32 dQ accumulator (4 b s_128 a/t d_32, sequence rounded up to 128 and head width to 32), its
     fp32 softmax sum (4 b a/t s_128) and, under GQA, dK and dV expanded to every query head (2 c tok a/t d); none
