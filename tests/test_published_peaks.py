@@ -194,10 +194,10 @@ def test_megatron_head_backward_and_the_long_context_terms():
     run's fused cross-entropy and all-to-all CP. 405B, 4 layers, tp 2 (vocab shard 64,128 x hidden 16,384, 4,096
     tokens): the head's backward allocates gradient-accumulation fusion's dummy weight gradient, 2 x 64,128 x
     16,384 = 2,101,346,304 B, which no other moment of the step holds beside all the saved activations; less that
-    copy, the case would be more than 2% low. 70B at 128K with tp 2 x cp 4 (32,768 tokens per rank): the unfused loss's fp32
-    softmax, 4 x 32,768 x 64,128 B = 7.8 GiB where the fused kernel keeps the 3.9 GiB of bf16 logits, would put
-    the prediction 5% high; all-to-all CP saves each layer's pre-exchange output once more, 2 x 32,768 x 4,096 B
-    x 12 layers = 3 GiB (with p2p's saved set the prediction is 2.7% low)."""
+    copy, the case would be more than 2% low. 70B at 128K with tp 2 x cp 4 (32,768 tokens per rank): the unfused
+    loss's fp32 softmax, 4 x 32,768 x 64,128 B = 7.8 GiB where the fused kernel keeps the 3.9 GiB of bf16 logits,
+    would put the prediction 5% high; all-to-all CP saves each layer's pre-exchange output once more, 2 x 32,768 x
+    4,096 B x 12 layers = 3 GiB (with p2p's saved set the prediction is 2.7% low)."""
     from memcalc.cost.activations import _megatron_head_backward
 
     t = TrainingSpec(seq=4096, micro_batch=1, grad_accum=4, precision="bf16", loss="fused")
@@ -227,10 +227,11 @@ def test_megatron_head_backward_and_the_long_context_terms():
 def test_deepseek_rows_model_states_and_the_moe_terms():
     """The DeepSeek-V2 ep8 case, piece by piece (hand arithmetic; docs/published-measurements.md).
     Per layer: MLA 149,227,520 parameters (q_down 1536 x 5120 + q_up 24,576 x 1536 + kv_down 576 x 5120 + kv_up
-    32,768 x 512 + proj 5120 x 16,384 + latent norms 1536 + 512) and two RMSNorms of 5120; an MoE layer adds 160 experts x 3 x 5120 x 1536 (split
-    over ep 8: 20 per rank) + 2 shared x 3 x 5120 x 1536 + router 160 x 5120; the dense first layer 3 x 5120 x
-    12,288. Megatron's distributed optimizer: bf16 params and fp32 grads on every rank, 12 B of master + Adam per
-    parameter over the data-parallel group (dp 8 for dense parameters, dp / ep = 1 for experts)."""
+    32,768 x 512 + proj 5120 x 16,384 + latent norms 1536 + 512) and two RMSNorms of 5120; an MoE layer adds 160
+    experts x 3 x 5120 x 1536 (split over ep 8: 20 per rank) + 2 shared x 3 x 5120 x 1536 + router 160 x 5120; the
+    dense first layer 3 x 5120 x 12,288. Megatron's distributed optimizer: bf16 params and fp32 grads on every rank,
+    12 B of master + Adam per parameter over the data-parallel group (dp 8 for dense parameters, dp / ep = 1 for
+    experts)."""
     from memcalc.cost.activations import layer_terms
     from memcalc.cost.params import attention_params, stage_params
 

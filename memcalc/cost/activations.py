@@ -366,15 +366,14 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         if eager:
             # scores: a/t heads x (s/cp) queries x s keys (Korthikanti sec. 4.1: softmax output 2as^2b, saved
             # once when there is no dropout: softmax backward and the matmul with V both use it)
+            # Hugging Face's eager attention runs softmax(scores, dtype=float32).to(dtype) (transformers
+            # models/llama/modeling_llama.py eager_attention_forward): softmax saves its fp32 output and the value
+            # matmul (or dropout) reads the compute-dtype copy; in fp32 the cast is the same tensor
             scores = heads * tok * run.seq
-            out["attn_softmax"] = c * scores
-            if _hf_softmax_copy(run):
-                # Hugging Face's eager attention: softmax(scores, dtype=float32).to(dtype) (transformers
-                # models/llama/modeling_llama.py eager_attention_forward): softmax saves its fp32 output, and the
-                # value matmul (or dropout) reads the compute-dtype copy; in fp32 the cast is the same tensor
-                out["attn_softmax"] = 4 * scores
-                if not dropout:
-                    out["attn_probs"] = c * scores  # saved by the value matmul
+            hf_copy = _hf_softmax_copy(run)
+            out["attn_softmax"] = (4 if hf_copy else c) * scores
+            if hf_copy and not dropout:
+                out["attn_probs"] = c * scores  # saved by the value matmul
             if dropout:
                 out["attn_dropout_mask"] = scores  # 1 byte per element (bool mask): as^2b
                 out["attn_dropout_output"] = c * scores  # the dropped softmax, saved by the matmul with V
@@ -1056,7 +1055,7 @@ def _down_matmul_extra(run: Run, mode: str, plain_layers: Num) -> Num:
     return plain + 0 * plain_layers
 
 
-def layer_backward_transient(run: Run) -> Num:
+def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None) -> Num:
     """Bytes a layer's backward holds beyond the saved activations at its highest moment (the MLP's backward,
     which runs first): the incoming gradient of the residual stream (its dtype, sharded like it under SP), the
     down projection's input gradient and, for SwiGLU, the gradients of both factors of the product while the
@@ -1064,12 +1063,13 @@ def layer_backward_transient(run: Run) -> Num:
     gradient, net c tok f/t. A quantized down projection holds its dequantized weight while it computes the
     c tok f/t input gradient (`dequant_bytes`). Derived from the op order of autograd's backward (aten mm / mul /
     silu_backward; measured op by op by the harness, docs/validation.md). The weight gradients are counted by the
-    timeline. The attention core's backward (`attention_backward`), later in the layer, is the other candidate."""
+    timeline. The attention core's backward (`attention_backward`, from the layer's `terms` where the caller has
+    them), later in the layer, is the other candidate."""
     m = run.model
     c, tok, _, _ = _shape(run)
     stream = _residual_grad_bytes(run)
     if m.moe is not None and run.profile != "megatron":
-        return stream + imax(_hf_moe_backward_transient(run), attention_backward(run))
+        return stream + imax(_hf_moe_backward_transient(run), attention_backward(run, terms))
     if run.profile == "megatron" and run.training.lora_rank is None and not _dequantizes(run.training):
         return stream + imax(_megatron_mlp_backward(run), megatron_attention_backward(run))
     if m.moe is None:
@@ -1087,10 +1087,10 @@ def layer_backward_transient(run: Run) -> Num:
     if _dequantizes(run.training) and _down_adapted(run):
         adapter = c * tokens * f_t - _down_adapter_saved(run, tokens, f_t)
     mlp = imax(factors * c * tokens * f_t, c * tokens * f_t + dq + adapter)
-    return stream + (mlp if run.profile == "megatron" else imax(mlp, attention_backward(run)))
+    return stream + (mlp if run.profile == "megatron" else imax(mlp, attention_backward(run, terms)))
 
 
-def attention_backward(run: Run) -> Num:
+def attention_backward(run: Run, terms: dict[str, Num] | None = None) -> Num:
     """The attention core's backward moment beyond the layer's saved set and the residual stream's gradient (torch
     and deepspeed profiles; Megatron's is `megatron_attention_backward`). By then the output projection, the MLP
     and their norms and masks (the terms saved after the core) have run their backward and freed what they saved,
@@ -1108,15 +1108,14 @@ def attention_backward(run: Run) -> Num:
     allocates an fp32 dQ accumulator (4 b s_128 a/t d_32, sequence rounded up to 128 and head width to 32), its
     fp32 softmax sum (4 b a/t s_128) and, under GQA, dK and dV expanded to every query head (2 c tok a/t d); none
     is visible to the CPU's tracker. The moment is the layer's highest only when the MLP's saved set is small
-    next to it (ffn far below h, or eager attention at long sequences)."""
+    next to it (ffn far below h, or eager attention at long sequences). `terms`: the layer's `layer_terms(run)`,
+    where the caller has them."""
     m = run.model
-    mode = run.training.recompute
-    if run.profile == "megatron" or mode == "selective" or m.mla is not None:
+    if run.profile == "megatron" or run.training.recompute == "selective" or m.mla is not None:
         return _NEVER
     c, tok, _, _ = _shape(run)
-    terms = layer_terms(run, "none")
-    d_v = m.mla.v_head_dim if m.mla is not None else m.head_dim
-    d_o = c * tok * (m.heads // run.tp) * d_v
+    terms = layer_terms(run, "none") if terms is None else terms
+    d_o = terms["attn_output"]  # the output projection's input gradient: its input's size
     before = sum(x for k, x in terms.items() if k in _UP_TO_CORE)
     after = sum(terms.values()) - before  # freed by the output projection's, the MLP's and their norms' backward
     if run.training.attention != "eager":
@@ -1308,7 +1307,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             d_remat = where(nd_plain > 0, 0, _remat_net(mode, d_plain, d_kept_bytes))  # the first is checkpointed
         # backward reaches the dense layers last: this micro-batch's MoE layers have freed their saved sets
         moe_freed = (plain_layers - nd_plain) * plain_bytes + (ck - nd_ck) * kept_bytes
-        dense_at = where(nd > 0, _layer_moment(mode, layer_backward_transient(drun), d_remat) - moe_freed, _NEVER)
+        d_at = _layer_moment(mode, layer_backward_transient(drun, d_plain), d_remat)
+        dense_at = where(nd > 0, d_at - moe_freed, _NEVER)
     # activation offloading (`offload_activations`): every layer's saved set goes to host memory; the GPU keeps
     # the last layer run (`w_last`) and the one before it (`w_prev`: in forward its copy to the host is in flight
     # until the next layer's forward ends; in backward it is reloaded while the current layer's backward runs).
@@ -1412,7 +1412,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     if run.profile == "megatron":
         head_bwd_tr = imax(head_bwd_tr, where(last, _megatron_head_backward(run), 0))
     bwd_tr = imax(imax(loss_bwd, core_tr), head_bwd_tr)
-    layer_tr = layer_backward_transient(run)
+    layer_tr = layer_backward_transient(run, plain)
     at_layer = imax(_layer_moment(mode, layer_tr, remat), dense_at)
     # the logits at the LM head's matmul; a model that returns them upcast (`--keep-logits fp32`) makes the fp32
     # copy right there, while the loop still holds the previous micro-batch's (in `base`)
@@ -1443,7 +1443,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     base = held - head_freed
     parts = (base, plain_layers, unit_layers, plain_bytes, kept_bytes, layer_tr, at_layer)
     layer_bwd = _offloaded_layer_at(parts, 0) if off else base + at_layer
-    attn = attention_backward(run)
+    attn = attention_backward(run, plain)
     modelled = not off and not (isinstance(attn, int) and attn == _NEVER)
     attn_bwd = base + _layer_moment(mode, _residual_grad_bytes(run) + attn, remat) if modelled else _NEVER
     pair = w_last + w_prev

@@ -26,7 +26,7 @@ from typing import Any
 
 from memcalc.cost.params import (
     embedding_params,
-    first_attention_grad_elems,
+    after_core_layer_elems,
     first_backward_grad_elems,
     head_params,
     dense_layer_params,
@@ -247,10 +247,10 @@ def _workspaces(run: Run) -> dict[str, Buffer]:
 
 def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
     """AMP autocast: each weight is cast once per forward (autocast weight cache) and the low-precision copy is
-    saved by the matmul for its backward, freed as backward passes each op. Under full (or op-level) recompute the saved copies
-    are dropped when the autocast region exits and re-cast one layer at a time. Autocast casts fp32 tensors only:
-    LoRA's frozen base is already stored in the compute dtype (states.frozen_bytes), so only the fp32 adapters are
-    cast; --freeze keeps fp32 weights, all cast."""
+    saved by the matmul for its backward, freed as backward passes each op. Under full (or op-level) recompute the
+    saved copies are dropped when the autocast region exits and re-cast one layer at a time. Autocast casts fp32
+    tensors only: LoRA's frozen base is already stored in the compute dtype (states.frozen_bytes), so only the fp32
+    adapters are cast; --freeze keeps fp32 weights, all cast."""
     cb = DTYPE_BYTES[run.recipe.compute_dtype]
     fwd_only = frozenset({"forward", "forward_layer", "forward_layer_end"})
     phases = fwd_only if run.training.recompute in ("full", "op") else FWD_BWD
@@ -258,17 +258,15 @@ def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
     return Buffer(cb * elems, phases, "autocast low-precision copies of the weights")
 
 
-def amp_casts_freed_at_attention(run: Run, stage: Num) -> Num:
+def amp_casts_freed_at_attention(run: Run) -> Num:
     """Of `_amp_casts`' saved copies, those of the first layer's output projection and MLP (router, experts), which
     their backward frees before the attention core's (`activations.attention_backward`); 0 where the copies are
     not held through backward (full or op-level recompute, FSDP2's sharded units, LoRA's casts of the adapters)."""
     r, t = run.recipe, run.training
     if run.profile != "torch" or not r.compute_copy or t.lora_rank is not None or t.recompute in ("full", "op"):
         return 0
-    head, _ = first_backward_grad_elems(run, stage)
-    elems = first_attention_grad_elems(run, stage) - head - norm_params(run.model)
     fsdp = (run.zero >= 2) & (run.shard_degree > 1)
-    return where(fsdp, 0, DTYPE_BYTES[r.compute_dtype] * elems)
+    return where(fsdp, 0, DTYPE_BYTES[r.compute_dtype] * after_core_layer_elems(run)[0])
 
 
 def _pipeline_recv_buffers(run: Run, stage: Num) -> Num:

@@ -353,19 +353,28 @@ def first_backward_grad_elems(run: Run, stage: Num) -> tuple[Num, Num]:
     return muldiv(head, m.params_override, full), muldiv(down, m.params_override, full)
 
 
+def after_core_layer_elems(run: Run) -> tuple[Num, Num]:
+    """(matrices, norm) of one layer, per rank, whose gradients its backward makes before the attention core's
+    (`activations.attention_backward`): the output projection (with its bias) and the MLP (or router and experts);
+    the post-attention norm. Its input norm and Q, K, V come later. Scaled to `--params N` like stage_params. Not
+    used for MLA (the attention moment is not modelled there)."""
+    m = run.model
+    dense, expert = layer_params(m, run.tp, run.ep)
+    o_rows, o_cols, _ = attention_matrix_shapes(m, run.tp)[-1]
+    o = o_rows * o_cols + (m.hidden if m.linear_bias else 0)
+    mats = dense + expert - (attention_params(m, run.tp) - o) - 2 * norm_params(m)
+    if m.params_override is None:
+        return mats, norm_params(m)
+    full = shape_params(m)
+    return muldiv(mats, m.params_override, full), muldiv(norm_params(m), m.params_override, full)
+
+
 def first_attention_grad_elems(run: Run, stage: Num) -> Num:
     """Parameters whose gradients a stage's backward has made when its first layer's backward reaches the attention
-    core (`activations.attention_backward`), per rank: the LM head and final norm (last stage) and the layer's
-    output projection, MLP (or router and experts) and post-attention norm; its input norm and Q, K, V come later.
-    Not used for MLA (the attention moment is not modelled there)."""
-    m = run.model
+    core: the LM head and final norm (last stage, `first_backward_grad_elems`) and `after_core_layer_elems`."""
     head, _ = first_backward_grad_elems(run, stage)
-    dense, expert = layer_params(m, run.tp, run.ep)
-    o = m.hidden * (m.heads * m.head_dim // run.tp) + (m.hidden if m.linear_bias else 0)
-    after = dense + expert - (attention_params(m, run.tp) - o) - norm_params(m)
-    if m.params_override is None:
-        return head + after
-    return head + muldiv(after, m.params_override, shape_params(m))
+    mats, norm = after_core_layer_elems(run)
+    return head + mats + norm
 
 
 def layer_tensor_shapes(run: Run) -> list[tuple[Num, Num, Num]]:

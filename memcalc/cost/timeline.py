@@ -117,8 +117,6 @@ def _first_grads(run: Run, stage: Num) -> tuple[Num, Num]:
     """Gradient bytes allocated when the first layer's backward reaches its highest moment (the MLP's:
     params.first_backward_grad_elems) and its attention core's (params.first_attention_grad_elems)."""
     gb = _first_grad_bytes(run)
-    if isinstance(gb, int) and gb == 0:
-        return 0, 0
     head, down = first_backward_grad_elems(run, stage)
     return gb * (head + down), gb * first_attention_grad_elems(run, stage)
 
@@ -137,7 +135,7 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
             at[ph] = at.get(ph, 0) + b.bytes
             side_at[ph] = side_at.get(ph, 0) + b.side_stream_bytes
     # the first layer's attention-core backward: the backward's buffers less the autocast copies freed by then
-    at["backward_attention"] = at.get("backward_layer", 0) - amp_casts_freed_at_attention(run, stage)
+    at["backward_attention"] = at.get("backward_layer", 0) - amp_casts_freed_at_attention(run)
     grads = s.grads + s.grads_fp32
     first_grads, shares = _first_grads(run, stage), _layer_shares(run, stage)
     phases = _phases(run, s, act, at, grads, first_grads, shares)
