@@ -62,6 +62,11 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
              panel=_M, show_default=False)),
     "qkv_bias": (Optional[bool], None, _opt("--qkv-bias/--no-qkv-bias", help="Biases on Q, K, V only.", panel=_M,
                  show_default=False)),
+    "head_bias": (Optional[bool], None, _opt("--head-bias/--no-head-bias", help="A bias on the LM head (phi-1.5).",
+                  panel=_M, show_default=False)),
+    "block": (Optional[str], None, _opt("--block", help="Layer: sequential (attention, then MLP) | parallel (x + "
+              "attn(norm1 x) + mlp(norm2 x): GPT-NeoX) | parallel-shared-norm (one norm for both: GPT-J, phi).",
+              panel=_M)),
     "max_positions": (Optional[int], None, _opt("--max-positions", help="Rows of a learned position table "
                       "(default: --seq).", panel=_M)),
     "head_dim": (Optional[int], None, _opt("--head-dim", help="Override the attention head width (default: "
@@ -118,8 +123,9 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "keep_logits": (str, "none", _opt("--keep-logits", help="The training loop's reference to the model's "
                     "logits (`logits = model(x); loss_fn(logits, y).backward()`), live until the next forward "
                     "replaces it: none (dropped before backward: HF Trainer, del logits) | compute (nanoGPT's "
-                    "`logits, loss = model(X, Y)`) | fp32 (a model that returns upcast logits: torchtune 0.1). "
-                    "--loss full only.", panel=_T)),
+                    "`logits, loss = model(X, Y)`) | fp32 (a model that returns upcast logits: torchtune 0.1; with "
+                    "--loss lit-gpt, Lightning Fabric's bf16-true / bitsandbytes precision, whose convert_output "
+                    "upcasts the chunks). --loss full or lit-gpt.", panel=_T)),
     "offload_activations": (bool, False, _opt("--offload-activations/--no-offload-activations", help="Layers' "
                             "saved activations go to host memory in forward and come back in backward, one layer "
                             "ahead (torchtune enable_activation_offloading, Megatron/TE --cpu-offloading); two "
@@ -151,7 +157,8 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "double_quant": (bool, True, _opt("--double-quant/--no-double-quant", help="QLoRA double quantization of the "
                      "nf4 scales.", panel=_F)),
     "quant_backend": (str, "bnb", _opt("--quant-backend", help="Quantized base linears: bnb (bitsandbytes, HF PEFT "
-                      "QLoRA, lit-gpt: saves each linear's input) | torchao (torchtune's linear_nf4: saves none).",
+                      "QLoRA, lit-gpt: saves each linear's input) | bnb-0.41 (bitsandbytes <= 0.41: nf4 dequantizes to fp16, "
+                      "then to the compute dtype) | torchao (torchtune's linear_nf4: saves none).",
                       panel=_F)),
     "quantize_head": (bool, False, _opt("--quantize-head/--no-quantize-head", help="The LM head is quantized like "
                       "the base linears (lit-gpt with Fabric's bnb plugin; HF and torchtune keep it bf16).",

@@ -40,7 +40,7 @@ FLAG_OF = {
     "mfu": "--mfu", "gpus": "--gpus", "dp": "--dp", "tp": "--tp", "pp": "--pp", "vpp": "--vpp", "cp": "--cp",
     "ep": "--ep", "zero": "--zero", "offload": "--offload", "schedule": "--schedule",
     "mlp": "--mlp", "norm": "--norm", "tied_embeddings": "--tied-embeddings", "positions": "--positions",
-    "bias": "--bias", "qkv_bias": "--qkv-bias", "max_positions": "--max-positions", "head_dim": "--head-dim",
+    "bias": "--bias", "qkv_bias": "--qkv-bias", "head_bias": "--head-bias", "block": "--block", "max_positions": "--max-positions", "head_dim": "--head-dim",
     "experts": "--experts", "top_k": "--top-k", "expert_ffn": "--expert-ffn", "shared_experts": "--shared-experts",
     "first_dense_layers": "--first-dense-layers", "q_lora_rank": "--q-lora-rank", "kv_lora_rank": "--kv-lora-rank",
     "qk_nope_dim": "--qk-nope-dim", "qk_rope_dim": "--qk-rope-dim", "v_head_dim": "--v-head-dim",
@@ -62,6 +62,7 @@ CHOICES = {
     "units": ("GiB", "GB"),
     "mlp": ("swiglu", "gelu"),
     "norm": ("rmsnorm", "layernorm"),
+    "block": ("sequential", "parallel", "parallel-shared-norm"),
     "positions": ("rotary", "learned"),
     "norm_impl": ("fused", "fp32"),
     "qkv_impl": ("separate", "fused"),
@@ -70,7 +71,7 @@ CHOICES = {
     "base_dtype": ("nf4", "int8", "fp8", "bf16", "fp16", "fp32"),
     "dp_mode": ("collective", "ps", "dataparallel"),
     "cp_comm": ("p2p", "a2a"),
-    "quant_backend": ("bnb", "torchao"),
+    "quant_backend": ("bnb", "bnb-0.41", "torchao"),
 }
 
 
@@ -118,6 +119,8 @@ class RunOptions:
     positions: str | None = None
     bias: bool | None = None  # biases on every linear layer (Megatron --add-bias-linear): sets qkv_bias too
     qkv_bias: bool | None = None
+    head_bias: bool | None = None
+    block: str | None = None
     max_positions: int | None = None
     head_dim: int | None = None
     # mixture of experts (specs.MoESpec) and multi-head latent attention (specs.MLASpec): each overrides the
@@ -213,7 +216,8 @@ BUFFER_KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "overlap_comm", "con
                 "reduce_bucket_size", "allreduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                 "stage3_max_live_parameters", "stage3_max_reuse_distance")
 IMPORT_FIELDS = ("deepspeed_config", "megatron_args", "torchtitan_config")
-SHAPE_CHOICE_FIELDS = ("mlp", "norm", "tied_embeddings", "positions", "bias", "qkv_bias", "max_positions")
+SHAPE_CHOICE_FIELDS = ("mlp", "norm", "tied_embeddings", "positions", "bias", "qkv_bias", "head_bias", "block",
+                       "max_positions")
 MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_experts", "first_dense_layers")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
 ARCH_FIELDS = ("head_dim", *MOE_FIELDS, *MLA_FIELDS)
@@ -221,9 +225,9 @@ ARCH_FIELDS = ("head_dim", *MOE_FIELDS, *MLA_FIELDS)
 
 def _shape_choices(o: RunOptions) -> dict[str, Any]:
     """ModelSpec fields set by the shape-choice flags (--mlp, --norm, --tied-embeddings, --positions, --bias,
-    --qkv-bias, --max-positions)."""
+    --qkv-bias, --head-bias, --block, --max-positions)."""
     out: dict[str, Any] = {}
-    for field in ("mlp", "norm", "positions"):
+    for field in ("mlp", "norm", "positions", "block"):
         v = check_choice(field, getattr(o, field))
         if v is not None:
             out[field] = v
@@ -234,6 +238,8 @@ def _shape_choices(o: RunOptions) -> dict[str, Any]:
         out["qkv_bias"] = o.bias
     if o.qkv_bias is not None:
         out["qkv_bias"] = o.qkv_bias
+    if o.head_bias is not None:
+        out["head_bias"] = o.head_bias
     if o.max_positions is not None:
         check_positive("--max-positions", o.max_positions)
         out["max_positions"] = o.max_positions

@@ -111,7 +111,8 @@ _HF_GELU = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu"}
 
 
 def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
-    """Map the field names of Llama, Mistral, Qwen2, Mixtral, GPT-2 and GPT-NeoX configs onto a ModelSpec."""
+    """Map the field names of Llama, Mistral, Qwen2, Mixtral, DeepSeek, GPT-2, GPT-NeoX, GPT-J and phi configs
+    onto a ModelSpec."""
     mt = str(cfg.get("model_type", "")).lower()
 
     def get(*keys: str, default: Any = None) -> Any:
@@ -129,10 +130,19 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
     for key, val in (("num_hidden_layers", layers), ("num_attention_heads", heads), ("vocab_size", vocab)):
         if val is None:
             raise InputError(f"{where} has no {key}; a config.json for Llama, Mistral, Qwen2, GPT-2 or GPT-NeoX needs it")
-    gpt2 = mt == "gpt2" or "n_embd" in cfg
+    gptj = mt == "gptj"
+    phi = mt == "phi"
+    gpt2 = mt == "gpt2" or ("n_embd" in cfg and not gptj)
     neox = mt == "gpt_neox"
+    # the parallel blocks (`ModelSpec.block`): GPT-NeoX's use_parallel_residual (default true, two LayerNorms;
+    # modeling_gpt_neox.py), GPT-J's and phi's one shared LayerNorm (modeling_gptj.py, modeling_phi.py)
+    block = "sequential"
+    if neox and get("use_parallel_residual", default=True):
+        block = "parallel"
+    elif gptj or phi:
+        block = "parallel-shared-norm"
     act = str(get("hidden_act", "activation_function", default="silu")).lower()
-    gated = act not in _HF_GELU and not gpt2 and not neox
+    gated = act not in _HF_GELU and not gpt2 and not neox and not gptj
     ffn = get("intermediate_size", "n_inner")
     if ffn is None:
         ffn = 4 * hidden
@@ -146,9 +156,13 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
         "ffn": ffn,
         "vocab": vocab,
         "mlp": "swiglu" if gated else "gelu",
-        "norm": "layernorm" if (gpt2 or neox) else "rmsnorm",
-        "qkv_bias": bool(gpt2 or neox or mt == "qwen2" or get("attention_bias", default=False)),
-        "linear_bias": bool(gpt2 or neox or get("mlp_bias", default=False)),
+        "norm": "layernorm" if (gpt2 or neox or gptj or phi) else "rmsnorm",
+        # phi's every linear has a bias; GPT-J's MLP and LM head do, its q/k/v/out_proj not (linear_bias also
+        # gives it an out_proj bias: h parameters per layer too many)
+        "qkv_bias": bool(gpt2 or neox or phi or mt == "qwen2" or get("attention_bias", default=False)),
+        "linear_bias": bool(gpt2 or neox or phi or gptj or get("mlp_bias", default=False)),
+        "head_bias": bool(gptj or phi),
+        "block": block,
         "tied_embeddings": bool(get("tie_word_embeddings", default=gpt2)),
         "positions": "learned" if gpt2 else "rotary",
         "max_positions": get("max_position_embeddings", "n_positions", "n_ctx", default=0),

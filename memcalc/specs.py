@@ -90,6 +90,10 @@ class ModelSpec(_Frozen):
     qkv_bias: bool = False
     linear_bias: bool = False
     tied_embeddings: bool = False
+    head_bias: bool = False  # a bias on the LM head (phi-1.5: lm_head_bias)
+    # sequential: x + attn(norm1(x)), then + mlp(norm2(.)); parallel: x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX
+    # use_parallel_residual, Falcon-40B); parallel-shared-norm: both read one norm1(x) (GPT-J, phi-1.5, Falcon-7B)
+    block: Literal["sequential", "parallel", "parallel-shared-norm"] = "sequential"
     positions: Literal["rotary", "learned"] = "rotary"
     max_positions: int = Field(default=0, ge=0)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -127,6 +131,11 @@ class ModelSpec(_Frozen):
         if self.moe is not None and self.moe.first_dense_layers >= self.layers:
             raise ValueError(f"moe first_dense_layers {self.moe.first_dense_layers} leaves no MoE layer of "
                              f"{self.layers}; valid: 0..{self.layers - 1}")
+        if self.head_bias and self.tied_embeddings:
+            raise ValueError("head_bias with tied_embeddings is not modelled: a tied LM head has no bias of its own")
+        if self.block != "sequential" and (self.moe is not None or self.mla is not None):
+            raise ValueError(f"block {self.block!r} is modelled for dense attention and MLP layers; a mixture of "
+                             "experts or latent attention needs block 'sequential'")
         if self.mla is not None:
             if self.qkv_bias or self.linear_bias:
                 raise ValueError("MLA layers have no biases (DeepSeek-V2/V3): set qkv_bias and linear_bias to false")
@@ -231,7 +240,7 @@ class TrainingSpec(_Frozen):
     double_quant: bool = True  # QLoRA double quantization of the nf4 block scales
     # the library behind quantized (nf4 / int8) base linears: bitsandbytes' MatMul4Bit / MatMul8bitLt save their
     # input activation for backward; torchao's linear_nf4 (torchtune) saves only the weight
-    quant_backend: Literal["bnb", "torchao"] = "bnb"
+    quant_backend: Literal["bnb", "bnb-0.41", "torchao"] = "bnb"
     # the LM head's weight is quantized like the layers' linears (lit-gpt: Fabric's BitsandbytesPrecision replaces
     # every nn.Linear; HF's BitsAndBytesConfig skips the output embedding and torchtune keeps it in bf16)
     quantize_head: bool = False
@@ -447,6 +456,9 @@ def resolve(
         raise InputError(f"--profile {profile!r} is not one of: {', '.join(PROFILES)}")
     m, t, p = model, training, parallel
     tp, pp, cp, vpp, ep = p.tp, p.pp, p.cp, p.vpp, p.ep
+    if m.block != "sequential" and profile == "megatron":
+        raise InputError(f"--block {m.block} with --profile megatron: Megatron-LM's layer is sequential; use "
+                         "--profile torch or deepspeed (GPT-NeoX, lit-gpt, Hugging Face)")
     if m.heads % tp:
         raise InputError(f"--tp {tp} does not divide the {m.heads} attention heads; valid: {_divisors_text(m.heads)}")
     if m.kv_heads % tp:
@@ -522,12 +534,16 @@ def resolve(
         ga = t.grad_accum or 1
     if t.recompute_layers is not None and t.recompute == "none":
         raise InputError("--recompute-layers needs --recompute selective, op or full")
+    if t.keep_logits == "compute" and t.loss == "lit-gpt":
+        raise InputError("--keep-logits compute with --loss lit-gpt: lit-gpt's loop keeps the model's logits "
+                         "already; valid there: none (the compute-dtype list) or fp32 (upcast by Fabric)")
     if t.keep_logits != "none":
-        why = ("--loss " + t.loss if t.loss != "full" else "--profile megatron" if profile == "megatron"
-               else f"--pp {pp}" if pp > 1 else "--dp-mode dataparallel" if p.dp_mode == "dataparallel" else None)
+        why = ("--loss " + t.loss if t.loss not in ("full", "lit-gpt") else "--profile megatron"
+               if profile == "megatron" else f"--pp {pp}" if pp > 1 else "--dp-mode dataparallel"
+               if p.dp_mode == "dataparallel" else None)
         if why:
             raise InputError(f"--keep-logits {t.keep_logits} is a training loop's reference to the logits of "
-                             f"--loss full without pipelining (got {why}); valid there: none")
+                             f"--loss full or lit-gpt without pipelining (got {why}); valid there: none")
     if t.foreach is not None and t.optimizer_impl is not None and t.foreach != (t.optimizer_impl == "foreach"):
         flag = "--foreach" if t.foreach else "--no-foreach"
         raise InputError(f"{flag} contradicts --optimizer-impl {t.optimizer_impl}; give one of them")

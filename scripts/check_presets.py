@@ -4,7 +4,8 @@
 For every file in presets/models/ and presets/gpus/: parse it with tomllib, check the required keys, their
 types and allowed values, that no unknown key is present, that `name` matches the file name and that names and
 aliases are unique. For models, compute the exact parameter count from the shape (param_count() below: embedding,
-learned positions, per-layer attention / MLP or MoE / two norms, final norm, untied LM head) and compare it with
+learned positions, per-layer attention (or MLA) / MLP or MoE (dense first layers) / one or two norms, final norm,
+untied LM head and its bias) and compare it with
 `expected_params` where a file has one. Prints a table per kind; exits 1 on any problem.
 
 Usage: python scripts/check_presets.py [PRESETS_DIR]
@@ -25,8 +26,6 @@ MODEL_REQUIRED: dict[str, type | tuple[type, ...]] = {
     "hidden": int,
     "layers": int,
     "heads": int,
-    "kv_heads": int,
-    "head_dim": int,
     "ffn": int,
     "vocab": int,
     "mlp": str,
@@ -39,17 +38,27 @@ MODEL_REQUIRED: dict[str, type | tuple[type, ...]] = {
     "dropout": (int, float),
 }
 MODEL_OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "kv_heads": int,  # required unless [mla] (one key/value per head)
+    "head_dim": int,  # required unless [mla] (qk_nope_dim + qk_rope_dim)
     "expected_params": int,
     "params_source": str,
+    "head_bias": bool,
+    "block": str,
     "moe": dict,
+    "mla": dict,
 }
 MOE_REQUIRED: dict[str, type] = {"experts": int, "top_k": int, "expert_ffn": int, "shared_experts": int}
+MOE_OPTIONAL: dict[str, type] = {"first_dense_layers": int}
+MLA_REQUIRED: dict[str, type] = {"kv_lora_rank": int, "qk_nope_dim": int, "qk_rope_dim": int, "v_head_dim": int}
+MLA_OPTIONAL: dict[str, type] = {"q_lora_rank": int}
 CHOICES = {
-    "family": {"llama", "gpt2", "gpt3", "mistral", "mixtral", "qwen2"},
+    "family": {"llama", "gpt2", "gpt3", "mistral", "mixtral", "qwen2", "deepseek", "phi", "gpt-neox"},
     "mlp": {"swiglu", "gelu"},
     "norm": {"rmsnorm", "layernorm"},
     "positions": {"rotary", "learned"},
 }
+
+BLOCKS = {"sequential", "parallel", "parallel-shared-norm"}
 
 GPU_REQUIRED: dict[str, type | tuple[type, ...]] = {
     "name": str,
@@ -104,7 +113,7 @@ def _check_aliases(data: dict, where: str) -> list[str]:
 
 def param_count(m: dict) -> int:
     """Exact parameter count of a decoder-only transformer described by a model preset."""
-    h, L, a, g, d = m["hidden"], m["layers"], m["heads"], m["kv_heads"], m["head_dim"]
+    h, L, a = m["hidden"], m["layers"], m["heads"]
     f, V = m["ffn"], m["vocab"]
     swiglu = m["mlp"] == "swiglu"
     norm = h if m["norm"] == "rmsnorm" else 2 * h
@@ -113,28 +122,35 @@ def param_count(m: dict) -> int:
     if m["positions"] == "learned":
         total += m["max_positions"] * h
 
-    attn = h * a * d + 2 * h * g * d + a * d * h  # q, k, v, o
-    if m["qkv_bias"]:
-        attn += a * d + 2 * g * d
-    if m["linear_bias"]:
-        attn += h  # o bias
+    mla = m.get("mla")
+    if mla:  # DeepSeek-V2/V3 attention: latents with their RMSNorms, per-head up projections
+        qk = mla["qk_nope_dim"] + mla["qk_rope_dim"]
+        kvl, ql, dv = mla["kv_lora_rank"], mla.get("q_lora_rank", 0), mla["v_head_dim"]
+        attn = h * (kvl + mla["qk_rope_dim"]) + kvl + kvl * a * (mla["qk_nope_dim"] + dv) + a * dv * h
+        attn += (h * ql + ql + ql * a * qk) if ql else h * a * qk
+    else:
+        g, d = m["kv_heads"], m["head_dim"]
+        attn = h * a * d + 2 * h * g * d + a * d * h  # q, k, v, o
+        if m["qkv_bias"]:
+            attn += a * d + 2 * g * d
+        if m["linear_bias"]:
+            attn += h  # o bias
+
+    def dense_mlp(width: int) -> int:
+        return (3 if swiglu else 2) * h * width + ((width * (2 if swiglu else 1) + h) if m["linear_bias"] else 0)
 
     moe = m.get("moe")
+    n_norms = 1 if m.get("block") == "parallel-shared-norm" else 2
+    layer = attn + n_norms * norm
     if moe:
-        mats = 3 if swiglu else 2
-        ef = moe["expert_ffn"]
-        expert = mats * h * ef
-        if m["linear_bias"]:
-            expert += ef * (2 if swiglu else 1) + h
-        mlp = h * moe["experts"] + (moe["experts"] + moe["shared_experts"]) * expert
+        routed = h * moe["experts"] + (moe["experts"] + moe["shared_experts"]) * dense_mlp(moe["expert_ffn"])
+        k = moe.get("first_dense_layers", 0)
+        total += (L - k) * (layer + routed) + k * (layer + dense_mlp(f))
     else:
-        mlp = (3 if swiglu else 2) * h * f
-        if m["linear_bias"]:
-            mlp += f * (2 if swiglu else 1) + h
-
-    total += L * (attn + mlp + 2 * norm) + norm  # per-layer norms, final norm
+        total += L * (layer + dense_mlp(f))
+    total += norm  # final norm
     if not m["tied_embeddings"]:
-        total += V * h  # LM head
+        total += V * h + (V if m.get("head_bias") else 0)  # LM head (and its bias)
     return total
 
 
@@ -149,17 +165,27 @@ def check_model(path: Path, m: dict) -> tuple[list[str], list[str]]:
     for key, allowed in CHOICES.items():
         if m[key] not in allowed:
             errors.append(f"{where}: {key} = {m[key]!r} not in {sorted(allowed)}")
-    for key in ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab", "max_positions"):
+    if m.get("block", "sequential") not in BLOCKS:
+        errors.append(f"{where}: block = {m['block']!r} not in {sorted(BLOCKS)}")
+    if "mla" in m:
+        errors += _check_keys(m["mla"], MLA_REQUIRED, MLA_OPTIONAL, f"{where} [mla]")
+    else:
+        errors += [f"{where}: missing key {k!r}" for k in ("kv_heads", "head_dim") if k not in m]
+    if errors:
+        return errors, []
+    dims = ("hidden", "layers", "heads", "ffn", "vocab", "max_positions") + (() if "mla" in m else ("kv_heads",
+                                                                                                    "head_dim"))
+    for key in dims:
         if m[key] < 1:
             errors.append(f"{where}: {key} must be >= 1")
-    if m["kv_heads"] >= 1 and m["heads"] % m["kv_heads"]:
+    if "mla" not in m and m["kv_heads"] >= 1 and m["heads"] % m["kv_heads"]:
         errors.append(f"{where}: heads {m['heads']} not a multiple of kv_heads {m['kv_heads']}")
     if not 0.0 <= m["dropout"] < 1.0:
         errors.append(f"{where}: dropout out of [0, 1)")
     if "expected_params" in m and "params_source" not in m:
         errors.append(f"{where}: expected_params without params_source")
     if "moe" in m:
-        errors += _check_keys(m["moe"], MOE_REQUIRED, {}, f"{where} [moe]")
+        errors += _check_keys(m["moe"], MOE_REQUIRED, MOE_OPTIONAL, f"{where} [moe]")
         if not errors and m["moe"]["top_k"] > m["moe"]["experts"]:
             errors.append(f"{where}: moe top_k exceeds experts")
     if errors:

@@ -252,6 +252,29 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     add("DeepSeek-shaped, FSDP2 ZeRO-3 bf16, dp 2", dict(DS, precision="bf16", gpus=2, zero=3))
     add("DeepSeek-shaped, full recompute, pure bf16", dict(DS, precision="bf16", master_weights=False,
                                                            recompute="full"))
+    # parallel blocks (GPT-NeoX: x + attn(ln1 x) + mlp(ln2 x); phi / GPT-J: one shared norm), GPT-2-style layers
+    P2 = dict(P, seq=256, micro_batch=2)
+    gpt256 = dict(gpt, max_positions=256)
+    add("parallel block (GPT-NeoX), fp32, seq 256", dict(P2, precision="fp32", block="parallel"), gpt256)
+    add("parallel block, shared norm (phi), bf16 AMP, eager", dict(P2, precision="bf16", attention="eager",
+                                                                   block="parallel-shared-norm"), gpt256)
+    add("parallel block, shared norm, TP 2 + SP, fp32", dict(P2, precision="fp32", gpus=2, tp=2, sp=True,
+                                                             block="parallel-shared-norm"),
+        dict(gpt256, tied_embeddings=False))
+    add("parallel block, FSDP2 ZeRO-3 bf16, full recompute", dict(P2, precision="bf16", gpus=2, zero=3,
+                                                                  recompute="full", block="parallel"), gpt256)
+    # lit-gpt's phi-1.5 fine-tune in miniature: LoRA q,v on a fused QKV with dropout over a shared-norm block, an LM
+    # head with a bias, the chunked head and loss, and Lightning Fabric's fp32 copy of the chunks kept by the loop
+    add("lit-gpt LoRA q,v, shared-norm block, head bias, Fabric fp32 logits",
+        dict(P2, precision="bf16", master_weights=False, lora_rank=4, lora_targets="qv", lora_dropout=0.05,
+             qkv_impl="fused", loss="lit-gpt", keep_logits="fp32", block="parallel-shared-norm", head_bias=True),
+        dict(gpt, positions="rotary", tied_embeddings=False))
+    # bitsandbytes 0.41 dequantizes through fp16: the quantized LM head's two copies are the peak at vocab 8192
+    # (ffn 192: every matrix a whole number of 256 x 64-weight groups, the nf4 storage memcalc counts in total)
+    add("QLoRA, bitsandbytes 0.41 (fp16 dequantization), quantized head, vocab 8192",
+        dict(L, hidden=256, ffn=192, vocab=8192, seq=32, precision="bf16", master_weights=False, lora_rank=4,
+             lora_targets="qv", lora_dropout=0.05, qkv_impl="fused", base_dtype="nf4", quant_backend="bnb-0.41",
+             quantize_head=True, loss="lit-gpt", keep_logits="fp32"))
     return c
 
 
@@ -417,7 +440,8 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "norm -> separate q/k/v -> rotary (rotate-half, cos/sin in the activation dtype) -> SDPA (is_causal, "
            "enable_gqa) or eager softmax attention (additive causal bias) -> o -> residual -> norm -> SwiGLU or "
            "GELU(tanh) MLP, or a mixture of experts (Hugging Face's MixtralSparseMoeBlock, round-robin "
-           "routing for balance, optional shared experts; ep = tp = 1) -> residual; dropout as CUDA's "
+           "routing for balance, optional shared experts; ep = tp = 1) -> residual (parallel blocks: "
+           "mlp(norm2 x or the shared norm's output) + attn(norm1 x) + x, GPT-NeoX's order); dropout as CUDA's "
            "native_dropout (bool masks); "
            "final norm, LM head, fp32 cross-entropy. Layouts: DDP, DDP + ZeroRedundancyOptimizer (ZeRO-1), FSDP2 "
            "fully_shard per block (ZeRO-2: reshard_after_forward=False; ZeRO-3: default) with "
@@ -428,10 +452,11 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "copy; AdamW / Adam / SGD; non-reentrant checkpointing per block (full) or around the attention core "
            "(selective); block-by-block activation offloading; LoRA adapters on bf16 or NF4 base linears (packed "
            "4-bit codes and absmax as QLoRA stores them, dequantized around each matmul with bitsandbytes' or "
-           "torchao's autograd semantics); the full loss, torchtune's chunked loss eager or compiled (the "
+           "torchao's autograd semantics, and bitsandbytes 0.41's through fp16); the full loss, torchtune's chunked loss eager or compiled (the "
            "compiled per-chunk cross-entropy stands in for inductor's kernels: it saves what they save, "
-           "tests/test_chunked_loss.py) and lit-gpt's loss (128-token head pieces, logits kept by the loop); a "
-           "loop that keeps the full loss's logits to the next forward (--keep-logits).",
+           "tests/test_chunked_loss.py) and lit-gpt's loss (128-token head pieces, logits kept by the loop, "
+           "upcast to fp32 as Lightning Fabric returns them with --keep-logits fp32); a loop that keeps the full "
+           "loss's logits to the next forward (--keep-logits).",
            "",
            "Measured kinds (`components_detail`): params, master_weights, grads, optimizer (moments and step "
            "scalars), activations (allocated in forward), compute_copies (autocast casts of weights), "

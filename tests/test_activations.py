@@ -45,7 +45,10 @@ TRAINING_FIELDS = set(TrainingSpec.model_fields)
 
 
 def make(model: ModelSpec, profile: str = "megatron", **kw):
-    """A resolved Run from training and parallel keyword arguments (split by field name)."""
+    """A resolved Run from training and parallel keyword arguments (split by field name). Inside a hypothesis test, a
+    parallel block under the megatron profile (refused: Megatron-LM's layer is sequential) is skipped."""
+    if model.block != "sequential" and profile == "megatron":
+        assume(False)
     tr = {k: v for k, v in kw.items() if k in TRAINING_FIELDS}
     par = {k: v for k, v in kw.items() if k not in TRAINING_FIELDS}
     return resolve(model, TrainingSpec(**tr), ParallelSpec(**par), HW, profile=profile)
@@ -658,13 +661,17 @@ def test_array_form_equals_scalar(schedule, profile, model, recompute, attention
 # Invariants (hypothesis)
 # ---------------------------------------------------------------------------------------------------------------
 
-MODELS = st.sampled_from(["gpt", "llama", "moe"])
+MODELS = st.sampled_from(["gpt", "llama", "moe", "neox", "phi"])
 PROFILES = st.sampled_from(["torch", "megatron", "deepspeed"])
 
 
 def _model(kind: str, layers: int = 8) -> ModelSpec:
     if kind == "gpt":
         return gpt(1024, 16, layers, vocab=50257)
+    if kind in ("neox", "phi"):  # parallel blocks: two norms (GPT-NeoX) or one shared (phi)
+        base = gpt(1024, 16, layers, vocab=50257, dropout=0.0).model_dump()
+        return ModelSpec(**{**base, "positions": "rotary", "tied_embeddings": False, "head_bias": kind == "phi",
+                            "block": "parallel" if kind == "neox" else "parallel-shared-norm"})
     if kind == "llama":
         return llama3_8b(layers=layers, hidden=2048, heads=16, kv_heads=8, ffn=5632, vocab=32000)
     return llama3_8b(layers=layers, hidden=2048, heads=16, kv_heads=8, ffn=5632, vocab=32000,
@@ -878,3 +885,59 @@ def test_ulysses_all_to_all_under_torch_and_deepspeed():
         make(m, "deepspeed", seq=8192, cp=4, gpus=4, cp_comm="p2p")
     with pytest.raises(InputError, match="valid: 1, 2, 4, 8"):
         make(m, "deepspeed", seq=8192, cp=16, gpus=16)
+
+
+def test_parallel_block_terms_by_hand():
+    """A GPT-NeoX-style layer (h 1024, 8 heads, GELU 4h, LayerNorm, biases), pure bf16, flash, T = 2048 tokens.
+    Sequential: two norms each save their input (2Th) and fp32 mean/rstd (8T); the MLP saves its input (2Th).
+    parallel (x + attn(ln1 x) + mlp(ln2 x)): the second norm reads the same x the first saved: 8T only.
+    parallel-shared-norm (phi, GPT-J): no second norm, and the MLP's input is the norm output Q/K/V saved."""
+    T, h = 2048, 1024
+    m = dict(hidden=h, heads=8, layers=2, ffn=4 * h, vocab=1000, mlp="gelu", norm="layernorm", qkv_bias=True,
+             linear_bias=True)
+    seq, par, shared = (layer_terms(make(ModelSpec(**m, block=b), "torch", seq=T, master_weights=False))
+                        for b in ("sequential", "parallel", "parallel-shared-norm"))
+    assert seq["mlp_norm"] == 2 * T * h + 8 * T == 4_210_688
+    assert par["mlp_norm"] == 8 * T == 16_384
+    assert "mlp_norm" not in shared
+    assert seq["mlp_input"] == par["mlp_input"] == 2 * T * h and shared["mlp_input"] == 0
+    others = {k: v for k, v in seq.items() if k not in ("mlp_norm", "mlp_input")}
+    assert {k: v for k, v in par.items() if k not in ("mlp_norm", "mlp_input")} == others
+    assert {k: v for k, v in shared.items() if k != "mlp_input"} == others
+    # under autocast (fp32 stream) each linear saves its own bf16 cast of the norm output: nothing is shared
+    amp = layer_terms(make(ModelSpec(**m, block="parallel-shared-norm"), "torch", seq=T))
+    assert amp["qkv_input"] == 3 * 2 * T * h and amp["mlp_input"] == 2 * T * h  # q, k, v casts; fc's cast
+
+
+def test_parallel_block_first_lora_layer_mlp_saves_nothing():
+    """LoRA on q, v only: the first layer's input comes from the frozen embedding, so a parallel block's MLP branch
+    (frozen norm, frozen MLP) records nothing for autograd, unlike a sequential block's, whose MLP reads the
+    attention's output. first_stage_terms takes the whole MLP branch off the first layer (measured by the harness,
+    tests/test_validate_parallel.py)."""
+    T, h = 1024, 512
+    m = dict(hidden=h, heads=8, layers=4, ffn=4 * h, vocab=1000, mlp="gelu", norm="layernorm")
+    kw = dict(seq=T, master_weights=False, lora_rank=8, lora_targets="qv")
+    for block in ("parallel", "parallel-shared-norm"):
+        r = make(ModelSpec(**m, block=block), "torch", **kw)
+        terms = layer_terms(r)
+        mlp = sum(v for k, v in terms.items() if k.startswith("mlp_"))
+        assert mlp == 2 * T * 4 * h + (8 * T if block == "parallel" else 0)  # GELU input (+ ln2 statistics)
+        assert first_stage_terms(r)["first_layer_frozen_input"] == -(terms["attn_norm"] + mlp)
+    seq = make(ModelSpec(**m), "torch", **kw)
+    assert first_stage_terms(seq)["first_layer_frozen_input"] == -layer_terms(seq)["attn_norm"]
+
+
+def test_fabric_fp32_logits_with_lit_gpt_loss():
+    """lit-gpt under Lightning Fabric: the model's chunk list comes back upcast to fp32 (`convert_output`), so the loop
+    keeps 4 B per logit and the cross-entropy saves an fp32 log-softmax (4 B) where bf16-true alone holds 2 + 2."""
+    V, T = 32000, 1304
+    m = ModelSpec(hidden=4096, heads=32, layers=2, ffn=11008, vocab=V)
+    kw = dict(seq=T, master_weights=False, lora_rank=8, loss="lit-gpt")
+    plain = make(m, "torch", **kw)
+    fabric = make(m, "torch", keep_logits="fp32", **kw)
+    assert loss_kept_bytes(plain) == 2 * T * V and loss_kept_bytes(fabric) == 4 * T * V
+    lp, lf = last_stage_terms(plain), last_stage_terms(fabric)
+    assert lp["loss_logits_compute_dtype"] == 4 * T * V and lp["loss_logits_fp32"] == 0
+    assert lf["loss_logits_fp32"] == 8 * T * V and lf["loss_logits_compute_dtype"] == 0
+    with pytest.raises(InputError, match="keep-logits compute"):
+        make(m, "torch", keep_logits="compute", **kw)

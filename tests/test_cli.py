@@ -248,3 +248,12 @@ def test_offload_activations_flag_json_and_table():
     code, _, err = cli("validate", "--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128", "--vocab",
                        "256", "--seq", "16", "--gpus", "2", "--tp", "2", "--offload-activations", "--device", "cpu")
     assert code == 2 and err.count("\n") == 1 and "--offload-activations" in err
+
+
+def test_block_flag_errors_are_one_line():
+    code, out, err = cli("estimate", "--model", "llama-3-8b", "--block", "sideways")
+    assert code == 2 and "--block 'sideways'" in err and "parallel-shared-norm" in err and "Traceback" not in err
+    code, out, err = cli("estimate", "--model", "stablelm-base-alpha-3b", "--profile", "megatron")
+    assert code == 2 and "--block parallel with --profile megatron" in err and len(err.strip().splitlines()) == 1
+    code, out, err = cli("estimate", "--model", "phi-1.5", "--tied-embeddings")
+    assert code == 2 and "head_bias" in err and len(err.strip().splitlines()) == 1

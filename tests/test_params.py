@@ -201,3 +201,58 @@ def test_moe_and_mla_from_flags():
     # overriding one MLA field of a preset keeps the others, and the query/key width follows
     wide, _ = build_model(RunOptions(model="deepseek-v2-lite", qk_rope_dim=128))
     assert wide.head_dim == 256 and wide.mla.kv_lora_rank == 512
+
+
+def test_phi_and_stablelm_by_hand():
+    """phi-1.5: 24 parallel-shared-norm layers of h 2048 (one LayerNorm 2h, fused-width q/k/v/o with biases
+    4h^2 + 4h, GELU MLP 2 x 4h^2 + 4h + h), vocab 51200, final LayerNorm, untied head with a bias.
+    StableLM-Base-Alpha-3B: 16 GPT-NeoX parallel layers of h 4096 (two LayerNorms), vocab 50688, untied head."""
+    def layer(h, norms):
+        return norms * 2 * h + (4 * h * h + 4 * h) + (8 * h * h + 4 * h + h)
+    phi = 51200 * 2048 + 24 * layer(2048, 1) + 2 * 2048 + 51200 * (2048 + 1)
+    assert layer(2048, 1) == 50_354_176
+    assert total_params(load_model("phi-1.5")) == phi == 1_418_270_720
+    slm = 50688 * 4096 + 16 * layer(4096, 2) + 2 * 4096 + 50688 * 4096
+    assert layer(4096, 2) == 201_379_840
+    assert total_params(load_model("stablelm-base-alpha-3b")) == slm == 3_637_321_728
+
+
+def test_hf_configs_of_parallel_blocks():
+    """GPT-NeoX (use_parallel_residual, default true), phi (one shared LayerNorm, biased head) and GPT-J map onto the
+    parallel blocks; GPT-NeoX with use_parallel_residual false stays sequential."""
+    from memcalc.presets import model_from_hf_config
+
+    neox = {"model_type": "gpt_neox", "hidden_size": 4096, "num_hidden_layers": 16, "num_attention_heads": 32,
+            "intermediate_size": 16384, "vocab_size": 50688, "hidden_act": "gelu"}
+    assert model_from_hf_config(neox, "x").block == "parallel"
+    assert total_params(model_from_hf_config(neox, "x")) == 3_637_321_728
+    assert model_from_hf_config(dict(neox, use_parallel_residual=False), "x").block == "sequential"
+    phi = {"model_type": "phi", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
+           "intermediate_size": 8192, "vocab_size": 51200, "hidden_act": "gelu_new", "tie_word_embeddings": False}
+    spec = model_from_hf_config(phi, "x")
+    assert (spec.block, spec.head_bias, spec.mlp, spec.norm) == ("parallel-shared-norm", True, "gelu", "layernorm")
+    assert total_params(spec) == 1_418_270_720
+    gptj = {"model_type": "gptj", "n_embd": 4096, "n_layer": 28, "n_head": 16, "vocab_size": 50400,
+            "n_positions": 2048, "activation_function": "gelu_new", "rotary_dim": 64}
+    spec = model_from_hf_config(gptj, "x")
+    assert (spec.block, spec.positions, spec.head_bias, spec.mlp) == ("parallel-shared-norm", "rotary", True, "gelu")
+
+
+def test_preset_checker_agrees_with_the_library():
+    """scripts/check_presets.py counts parameters with its own stdlib-only formula (MLA, dense first layers, parallel
+    blocks and head biases included): every preset passes its checks and gets the library's exact total."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "check_presets.py"
+    spec = importlib.util.spec_from_file_location("check_presets", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    import tomllib
+
+    for name in model_names():
+        p = path.parent.parent / "presets" / "models" / f"{name}.toml"
+        data = tomllib.loads(p.read_text())
+        errors, _ = mod.check_model(p, data)
+        assert not errors, errors
+        assert mod.param_count(data) == total_params(load_model(name)), name

@@ -398,8 +398,16 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     if dropout:
         out["attn_residual_dropout_mask"] = tok_sp * h  # 1 byte per element (Korthikanti: sbh)
     out["residual_adds"] = 0  # an add saves nothing; the residual stream is kept by the next norm's saved input
-    out["mlp_norm"] = norm
-    if normalized is not None:
+    if m.block == "sequential":
+        out["mlp_norm"] = norm
+    elif m.block == "parallel":
+        # x + attn(norm1(x)) + mlp(norm2(x)): the second norm reads the layer input the first one saved, so it
+        # adds its statistics only (and its own fp32 copy where the eager fp32 RMSNorm upcasts a narrower stream)
+        upcast = run.training.norm_impl == "fp32" and m.norm == "rmsnorm"
+        # x.float() copies a narrower stream; an fp32 stream (autocast, or fp32 compute) is its own float()
+        out["mlp_norm"] = stats + (where(_stream_bytes(run, c) < 4, 4 * tok_sp * h, 0) if upcast else 0)
+    # parallel-shared-norm: the MLP reads norm1's output; there is no second norm
+    if normalized is not None and m.block != "parallel-shared-norm":
         out["mlp_norm_normalized"] = normalized
     moe = m.moe
     if moe is None:
@@ -414,7 +422,21 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         out["mlp_residual_dropout_mask"] = tok_sp * h
     if run.training.lora_rank is not None:
         _lora_terms(run, out, c, tok, tok_in, eager)
+    if m.block == "parallel-shared-norm" and "mlp_input" in out:
+        # one norm output read by Q/K/V and the MLP in the compute dtype: saved once, whichever saves it
+        shared = imin(out["mlp_input"], out["qkv_input"])
+        out["mlp_input"] = out["mlp_input"] - shared * _mlp_shares_qkv_input(run)
     return out
+
+
+def _mlp_shares_qkv_input(run: Run) -> Num:
+    """1 where the MLP's saved input is the very tensor Q/K/V saved (`block` parallel-shared-norm), else 0: not
+    under autocast, where each linear casts the fp32 norm output to its own copy, nor under torch's sequence
+    parallelism, where the attention and the MLP each all-gather the sequence-sharded norm output (one
+    PrepareModuleInput per module)."""
+    if run.model.block != "parallel-shared-norm" or run.sp:
+        return 0
+    return 1 - _autocast(run)
 
 
 def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, tok_in: Num, eager: bool) -> None:
@@ -499,7 +521,13 @@ def first_stage_terms(run: Run) -> dict[str, Num]:
         # records nothing for autograd (and a LoRA dropout there keeps no mask); the adapters make the rest of
         # the layer require grad. Measured by the harness (docs/validation.md, LoRA rows).
         terms = layer_terms(run)
-        out["first_layer_frozen_input"] = 0 - terms["attn_norm"] - terms.get("lora_dropout_qkv_mask", 0)
+        frozen = terms["attn_norm"] + terms.get("lora_dropout_qkv_mask", 0)
+        if run.model.block != "sequential" and not (_mlp_in_adapted(run) or _down_adapted(run)):
+            # a parallel block's MLP reads the layer input through a frozen norm, not the attention's output: with
+            # no adapter of its own nothing in that branch requires grad, and it saves nothing (lit-gpt's phi and
+            # GPT-NeoX blocks; measured by the harness)
+            frozen = frozen + sum(v for k, v in terms.items() if k.startswith("mlp_"))
+        out["first_layer_frozen_input"] = 0 - frozen
     return out
 
 
@@ -571,6 +599,24 @@ def _head_live(run: Run) -> Num:
     return last_stage_terms(run)["final_norm"] + head_in + copies
 
 
+def _head_moment(run: Run, logits: Num, dq_head_fwd: Num) -> Num:
+    """Beyond the layers' terms, the LM head's forward moment on the last stage: the logits (with their fp32 copy
+    where the model's output is upcast, `logits`) beside `_head_live` and a dequantized head. Lightning Fabric
+    upcasts lit-gpt's chunks after the model has returned (`convert_output`), when the head's input is gone unless
+    the head saved it: there the moment is the larger of the last chunk's matmul (compute-dtype logits) and the
+    conversion (both lists, the final norm's saved terms)."""
+    live = _head_live(run)
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
+    # the head's output at its (last) matmul: one chunk of a chunked loss's head, else all the logits
+    out = c * (_loss_chunk_elems(run) if run.training.loss not in ("full", "fused") else _logit_elems(run))
+    dq = dq_head_fwd + _dequant_cast(run, dq_head_fwd, out)
+    if run.training.loss != "lit-gpt" or run.training.keep_logits != "fp32":
+        return logits + live + dq
+    at_matmul = c * _logit_elems(run) + live + dq
+    kept_input = live if _head_saves_input(run) else last_stage_terms(run)["final_norm"]
+    return imax(at_matmul, logits + kept_input)
+
+
 def _megatron_head_backward(run: Run) -> Num:
     """Megatron's LM-head backward (megatron/core/tensor_parallel/layers.py,
     LinearWithGradAccumulationAndAsyncCommunication.backward), on top of everything held at the loss gradient
@@ -636,7 +682,9 @@ def loss_kept_bytes(run: Run) -> Num:
     c = DTYPE_BYTES[run.recipe.compute_dtype]
     t = run.training
     if t.loss == "lit-gpt":
-        return c * _logit_elems(run) * _gathered_replicas(run)
+        # Lightning Fabric's bf16-true / bitsandbytes precision returns the model's output upcast to the default
+        # dtype (`convert_output`, lightning/fabric/plugins/precision/half.py, bitsandbytes.py): --keep-logits fp32
+        return (4 if t.keep_logits == "fp32" else c) * _logit_elems(run) * _gathered_replicas(run)
     if t.keep_logits == "none":  # resolve() allows compute / fp32 only with --loss full
         return 0
     return (4 if t.keep_logits == "fp32" else c) * _logit_elems(run)
@@ -656,11 +704,13 @@ def _loss_saved(run: Run) -> dict[str, Num]:
     r = _gathered_replicas(run)  # DataParallel: GPU 0 runs the loss for all replicas
     if run.training.loss == "lit-gpt":
         # the logits list (kept by the loop, `loss_kept_bytes`) and each chunk's log-softmax, in fp32 where the
-        # cross-entropy upcasts, else in the compute dtype
+        # cross-entropy upcasts or the list is fp32 already (--keep-logits fp32), else in the compute dtype
         up = _litgpt_upcasts(run)
+        kept32 = run.training.keep_logits == "fp32"
         n = _logit_elems(run) * r
-        return {"loss_logits_fp32": 4 * n if up else 0, "loss_logits_compute_dtype": c * n + (0 if up else c * n),
-                "loop_kept_logits": 0}
+        fp32 = (4 * n if up or kept32 else 0) + (4 * n if kept32 else 0)
+        compute = (0 if kept32 else c * n) + (0 if up or kept32 else c * n)
+        return {"loss_logits_fp32": fp32, "loss_logits_compute_dtype": compute, "loop_kept_logits": 0}
     if run.training.loss == "chunked":
         _, tok, _, _ = _shape(run)
         return {"loss_logits_fp32": 8 * tok * r, "loss_logits_compute_dtype": c * _logit_elems(run) * r,
@@ -716,9 +766,12 @@ def loss_transients(run: Run) -> tuple[Num, Num]:
         return (4 * tok + where(run.tp > 1, 12 * tok, 0)) * r, c * tok * run.model.hidden * r
     if loss == "lit-gpt":
         g = _loss_chunk_elems(run) * r
-        up = _litgpt_upcasts(run)
+        kept32 = run.training.keep_logits == "fp32"
+        up = _litgpt_upcasts(run) or kept32
         lp = 4 if up else c  # the log-probabilities' dtype
-        return (4 * g if (up and c < 4) else 0), 2 * lp * g
+        # fp32 chunks (--keep-logits fp32) need no upcast: the compute-dtype list freed after Fabric's conversion
+        # is counted at the LM head's moment (`forward_head_bytes`)
+        return (4 * g if (up and c < 4 and not kept32) else 0), 2 * lp * g
     n32 = n * r
     inplace = run.profile == "megatron"
     dtensor_ce = where(run.tp > 1, 1, 0) if run.profile == "torch" else 0
@@ -959,7 +1012,7 @@ def _remat_net(mode: str, terms: dict[str, Num], kept: Num) -> Num:
 
 def _keeps_inputs(t: Any) -> bool:
     """bitsandbytes' quantized linears save their input for backward (see `_lora_terms`)."""
-    return t.base_dtype in ("nf4", "int8") and t.quant_backend == "bnb"
+    return t.base_dtype in ("nf4", "int8") and t.quant_backend in ("bnb", "bnb-0.41")
 
 
 def _lora_input_unsaved(run: Run, adapted: bool) -> bool:
@@ -1032,6 +1085,18 @@ def dequant_bytes(run: Run) -> tuple[Num, Num, Num, Num]:
     return fwd * layer, layer, fwd * head, head
 
 
+def _dequant_cast(run: Run, dq: Num, out: Num) -> Num:
+    """bitsandbytes <= 0.41 (`--quant-backend bnb-0.41`) quantizes a `.half()` copy of each weight
+    (`Params4bit.cuda`), so `dequantize_4bit` returns fp16 and MatMul4Bit's `.to(A.dtype)` makes the compute-dtype
+    copy `dq` beside it: before the matmul's output `out` exists, the fp16 copy is live too. Returns what that
+    moment holds beyond `dq + out` (0 for an fp16 compute dtype, other backends, int8)."""
+    t = run.training
+    if t.quant_backend != "bnb-0.41" or t.base_dtype != "nf4" or run.recipe.compute_dtype == "fp16":
+        return 0
+    fp16 = dq // DTYPE_BYTES[run.recipe.compute_dtype] * 2
+    return imax(fp16 - out, 0)
+
+
 def _down_matmul_extra(run: Run, mode: str, plain_layers: Num) -> Num:
     """At the last layer's down (or proj) projection's matmul, what is live beyond the saved set: the MLP's input
     (the norm output, an argument of the MLP's forward) and the down projection's input (an argument of its
@@ -1081,6 +1146,7 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None) -> N
     # a quantized down projection: its input gradient is computed while its dequantized weight is live
     # (`dequant_bytes`), before the product's backward allocates the factors' gradients
     dq = dequant_bytes(run)[1]
+    dq = dq + _dequant_cast(run, dq, c * tokens * f_t)
     # an adapted down projection (LoRA on the MLP): autograd runs the adapter's branch first (created later), so
     # its input gradient waits for the base's while the adapter's saved terms are freed
     adapter = 0
@@ -1127,6 +1193,10 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None) -> Num:
         at_matmul = d_o + terms["v"] + c * scores - after
         at_softmax = 8 * scores - after - core_but_softmax
         moment = imax(at_matmul, at_softmax)
+    if m.block == "parallel-shared-norm":
+        # the MLP branch's backward ran first and left its input's gradient in the shared norm's input buffer,
+        # where it waits for Q/K/V's (the norm output's dtype, that of the stream)
+        moment = moment + _residual_grad_bytes(run)
     # context parallelism exchanges K/V (ring) or Q/K/V (all-to-all) inside the core: not derived here
     return where(run.cp > 1, _NEVER, moment)
 
@@ -1396,7 +1466,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     head_bwd_tr = 0
     if _dequantizes(tr) and tr.quantize_head:
         loss_saved = _loss_freed(run)
-        head_bwd_tr = where(last, c * _logit_elems(run) + c * tok_in * m.hidden + dq_head_bwd - loss_saved, 0)
+        head_dq = dq_head_bwd + _dequant_cast(run, dq_head_bwd, c * tok_in * m.hidden)
+        head_bwd_tr = where(last, c * _logit_elems(run) + c * tok_in * m.hidden + head_dq - loss_saved, 0)
     # a recompute or CP ring runs inside the first layer's backward: the loss and LM-head terms are freed by then,
     # and with offloading the previous layer is being reloaded
     core_tr = remat + ring_bwd
@@ -1424,7 +1495,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     down_out = c * tok_all * m.hidden
     layer_out = imax(down_out, megatron_moe_forward_transient(run)) + where(last, s_h, 0)
     if _dequantizes(tr) and tr.base_dtype == "nf4":
-        layer_out = imax(layer_out, down_out + dq_fwd + _down_matmul_extra(run, mode, plain_layers))
+        dq_down = dq_fwd + _dequant_cast(run, dq_fwd, down_out)
+        layer_out = imax(layer_out, down_out + dq_down + _down_matmul_extra(run, mode, plain_layers))
     if off:
         detail["layers_offloaded_to_host"] = -host
         detail["offload_resident_layers"] = w_last + w_prev
@@ -1432,8 +1504,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     detail["logits_grad_transient"] = loss_bwd
     detail["recompute_transient"] = imax(remat, 0)
     if _dequantizes(tr):
-        detail["dequantized_weight_transient"] = imax(imax(dq_fwd, dq_bwd), where(last, imax(dq_head_fwd,
-                                                                                                dq_head_bwd), 0))
+        biggest = imax(imax(dq_fwd, dq_bwd), where(last, imax(dq_head_fwd, dq_head_bwd), 0))
+        detail["dequantized_weight_transient"] = biggest + _dequant_cast(run, biggest, 0)
     detail["cp_ring_kv_transient"] = ring_bwd
     detail["pipeline_sent_transient"] = sent
     one_layer = 0 if off else unit_bytes // imax(unit_layers, 1)  # a layer's share of what `held` counts
@@ -1455,7 +1527,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_layer_bytes=layer_bwd,
         backward_attention_bytes=attn_bwd,
         backward_later_layer_bytes=where(total_units > 1, layer_bwd - held + held_later + sent, 0),
-        forward_head_bytes=base + w_last + logits + where(last, _head_live(run) + dq_head_fwd, 0),
+        forward_head_bytes=base + w_last + where(last, _head_moment(run, logits, dq_head_fwd), 0),
         forward_layer_bytes=base - one_layer + w_prev,
         forward_layer_end_bytes=base + pair + layer_out,
         backward_post_bytes=base - one_layer + w_prev + _residual_grad_bytes(run),

@@ -36,7 +36,13 @@ def _candidates(run: Run) -> Iterator[Change]:
             lambda r: r.replace(micro_batch=mb, grad_accum=r.grad_accum * (r.micro_batch // mb)),
         )
     drop = " --keep-logits none" if t.keep_logits != "none" else ""
-    if drop:
+    if drop and t.loss == "lit-gpt":
+        # lit-gpt's loop keeps the logits whatever: only Fabric's fp32 upcast of them can go (the model's output
+        # kept in the compute dtype, e.g. converted back before the loss)
+        yield ("the loop keeps the logits in the compute dtype, not upcast", drop.strip(),
+               lambda r: r.replace(training=r.training.model_copy(update={"keep_logits": "none"})))
+        drop = ""
+    elif drop:
         # the loop's `logits` reference, deleted before backward (`del logits`, as torchtune's recipes now do)
         yield ("the loop drops its logits before backward (del logits)", drop.strip(),
                lambda r: r.replace(training=r.training.model_copy(update={"keep_logits": "none"})))

@@ -29,6 +29,7 @@ from memcalc.cost.params import (
     after_core_layer_elems,
     first_backward_grad_elems,
     head_params,
+    layer_norms,
     dense_layer_params,
     first_dense_layers,
     layer_params,
@@ -173,7 +174,8 @@ def _matmul_weight_elems(run: Run, stage: Num) -> Num:
     of aten/src/ATen/autocast_mode.cpp are for the lower-precision ops: matmuls, linear, ...)."""
     m = run.model
     emb = _scaled(run, embedding_params(m, run.profile, run.tp))
-    norms = _scaled(run, norm_params(m) * (2 * stage_layers(m, run.pp, stage) + where(stage == run.pp - 1, 1, 0)))
+    n_norms = layer_norms(m) * stage_layers(m, run.pp, stage) + where(stage == run.pp - 1, 1, 0)
+    norms = _scaled(run, norm_params(m) * n_norms)
     return _stage_elems(run, stage) - where(stage == 0, emb, 0) - norms
 
 

@@ -62,6 +62,7 @@ from memcalc.cost.compute import overlap_windows, stage_recomputed_layers
 from memcalc.cost.params import (
     head_params,
     largest_unit_params,
+    layer_norms,
     layer_params,
     layer_tensor_shapes,
     padded_shard_elems,
@@ -594,8 +595,8 @@ def _sp_norm_grads_torch(run: Run, stage: Num, seg: list[tuple[Num, Num]]) -> _T
     in the dtype the optimizer sees (the fp32 master copy's grad when there is one). Under FSDP2
     (`FSDPParam._get_grad_inner_tensor`, torch/distributed/fsdp/_fully_shard/_fsdp_param.py) the unsharded grad is
     redistributed to the param's TP placement once per micro-batch before the reduce-scatter, in FSDP2's param
-    dtype. Tensors: 2 norms per trainable layer + the final norm on the last stage, weight (+ bias for
-    LayerNorm)."""
+    dtype. Tensors: 2 norms per trainable layer (1 where a parallel block shares it, `params.layer_norms`) + the
+    final norm on the last stage, weight (+ bias for LayerNorm)."""
     m, t = run.model, run.training
     r = run.recipe
     ga = run.grad_accum
@@ -606,7 +607,7 @@ def _sp_norm_grads_torch(run: Run, stage: Num, seg: list[tuple[Num, Num]]) -> _T
 
         start = stage_first_layer(m, run.pp, stage)
         layers = layers - imin(imax(freeze_layers(t) - start, 0), layers)
-    tensors = nrm * (2 * layers + where(stage == run.pp - 1, 1, 0))
+    tensors = nrm * (layer_norms(m) * layers + where(stage == run.pp - 1, 1, 0))
     if t.lora_rank is not None:  # LoRA: the norms are frozen, no grads
         tensors = 0 * tensors
     fsdp = _fsdp_on(run)

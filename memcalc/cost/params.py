@@ -33,6 +33,12 @@ def norm_params(m: ModelSpec) -> int:
     return m.hidden * (2 if m.norm == "layernorm" else 1)
 
 
+def layer_norms(m: ModelSpec) -> int:
+    """Norms per layer: two, or one where attention and MLP read the same norm (`block` parallel-shared-norm:
+    GPT-J, phi-1.5, Falcon-7B; Hugging Face modeling_gptj.py / modeling_phi.py build one LayerNorm per layer)."""
+    return 1 if m.block == "parallel-shared-norm" else 2
+
+
 def attention_params(m: ModelSpec, tp: Num = 1) -> Num:
     """Q, K, V, O weights (and biases) on one TP rank."""
     if m.mla is not None:
@@ -87,7 +93,7 @@ def moe_params(m: ModelSpec, tp: Num = 1, ep: Num = 1) -> tuple[Num, Num]:
 
 def layer_params(m: ModelSpec, tp: Num = 1, ep: Num = 1) -> tuple[Num, Num]:
     """(dense, expert) parameters of one transformer layer on one rank."""
-    dense = attention_params(m, tp) + 2 * norm_params(m)
+    dense = attention_params(m, tp) + layer_norms(m) * norm_params(m)
     if m.moe is None:
         return dense + dense_mlp_params(m, m.ffn, tp), 0
     d, e = moe_params(m, tp, ep)
@@ -158,8 +164,9 @@ def embedding_params(m: ModelSpec, profile: str = "torch", tp: Num = 1) -> Num:
 
 
 def head_params(m: ModelSpec, profile: str = "torch", tp: Num = 1) -> Num:
-    """LM head weight on one TP rank (vocab-parallel)."""
-    return cdiv(padded_vocab(m, profile, tp), tp) * m.hidden
+    """LM head weight (and bias, `head_bias`: phi-1.5) on one TP rank (vocab-parallel: both split along V)."""
+    rows = cdiv(padded_vocab(m, profile, tp), tp)
+    return rows * (m.hidden + (1 if m.head_bias else 0))
 
 
 def total_params(m: ModelSpec) -> int:
@@ -317,9 +324,10 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
         rows, mats = n_layers * rows, n_layers * mats
         if t.quantize_head:  # --quantize-head: the last stage's LM head is one more quantized matrix
             last = stage == run.pp - 1
-            frozen_lin = frozen_lin + where(last, muldiv(head_params(m, run.profile, run.tp), scale_num, scale_den),
-                                            0)
-            rows = rows + where(last, cdiv(padded_vocab(m, run.profile, run.tp), run.tp), 0)
+            head_rows = cdiv(padded_vocab(m, run.profile, run.tp), run.tp)
+            head_w = head_rows * m.hidden  # the weight only: a bias stays unquantized
+            frozen_lin = frozen_lin + where(last, muldiv(head_w, scale_num, scale_den), 0)
+            rows = rows + where(last, head_rows, 0)
             mats = mats + where(last, 1, 0)
         return ParamSplit(adapters, 0 * dense, frozen_lin, rows, mats, dense + expert - frozen_lin)
     k = freeze_layers(t)
@@ -356,17 +364,19 @@ def first_backward_grad_elems(run: Run, stage: Num) -> tuple[Num, Num]:
 def after_core_layer_elems(run: Run) -> tuple[Num, Num]:
     """(matrices, norm) of one layer, per rank, whose gradients its backward makes before the attention core's
     (`activations.attention_backward`): the output projection (with its bias) and the MLP (or router and experts);
-    the post-attention norm. Its input norm and Q, K, V come later. Scaled to `--params N` like stage_params. Not
-    used for MLA (the attention moment is not modelled there)."""
+    the MLP's norm (post-attention, or the parallel block's second; none where the block shares one norm). Its
+    input norm and Q, K, V come later. Scaled to `--params N` like stage_params. Not used for MLA (the attention
+    moment is not modelled there)."""
     m = run.model
     dense, expert = layer_params(m, run.tp, run.ep)
     o_rows, o_cols, _ = attention_matrix_shapes(m, run.tp)[-1]
     o = o_rows * o_cols + (m.hidden if m.linear_bias else 0)
-    mats = dense + expert - (attention_params(m, run.tp) - o) - 2 * norm_params(m)
+    mats = dense + expert - (attention_params(m, run.tp) - o) - layer_norms(m) * norm_params(m)
+    norm = (layer_norms(m) - 1) * norm_params(m)
     if m.params_override is None:
-        return mats, norm_params(m)
+        return mats, norm
     full = shape_params(m)
-    return muldiv(mats, m.params_override, full), muldiv(norm_params(m), m.params_override, full)
+    return muldiv(mats, m.params_override, full), muldiv(norm, m.params_override, full)
 
 
 def first_attention_grad_elems(run: Run, stage: Num) -> Num:
@@ -392,7 +402,7 @@ def _dense_layer_tensor_shapes(m: ModelSpec, tp: Num) -> list[tuple[Num, Num, Nu
     h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
     nrm = 2 if m.norm == "layernorm" else 1
     per_layer: list[tuple[Num, Num, Num]] = [*attention_matrix_shapes(m, tp), *mlp_matrix_shapes(m, m.ffn, tp)]
-    per_layer.append((h, 1, 2 * nrm))  # two norms (weight, + bias for LayerNorm)
+    per_layer.append((h, 1, layer_norms(m) * nrm))  # two norms, or one (weight, + bias for LayerNorm)
     if m.mla is not None:
         per_layer.append((m.mla.kv_lora_rank, 1, 1))  # the latents' RMSNorms
         if m.mla.q_lora_rank:
@@ -418,6 +428,8 @@ def root_tensor_shapes(run: Run, stage: Num) -> list[tuple[Num, Num, Num]]:
     shapes.append((h, 1, nrm * last))
     head = last if not m.tied_embeddings else last * where(run.pp > 1, 1, 0)
     shapes.append((rows_v, h, head))
+    if m.head_bias:
+        shapes.append((rows_v, 1, head))
     return shapes
 
 

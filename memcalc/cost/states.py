@@ -104,7 +104,7 @@ def _adafactor_elems(run: Run, n_elems: Num, stage: Num) -> Num:
     n_layers = stage_layers(m, run.pp, stage)
     rows_v = cdiv(padded_vocab(m, run.profile, run.tp), run.tp)
     emb = rows_v + h + (m.max_positions + h if m.positions == "learned" else 0)
-    head = where(stage == 0, 0, rows_v + h) if m.tied_embeddings else rows_v + h
+    head = where(stage == 0, 0, rows_v + h) if m.tied_embeddings else rows_v + h + (rows_v if m.head_bias else 0)
     stage_total = n_layers * (factored + vectors) + where(stage == 0, emb, 0) + where(
         stage == run.pp - 1, head + h * (2 if m.norm == "layernorm" else 1), 0
     )

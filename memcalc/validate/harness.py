@@ -360,7 +360,9 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                             with offload.forward() if offload else contextlib.nullcontext():
                                 out = ddp_model(tokens[mb])
                             if t.keep_logits == "fp32":
-                                out = out.float()  # torchtune 0.1's model returns `self.output(h).float()`
+                                # torchtune 0.1's model returns `self.output(h).float()`; Lightning Fabric's
+                                # bf16-true precision upcasts each chunk of lit-gpt's list (`convert_output`)
+                                out = [o.float() for o in out] if isinstance(out, list) else out.float()
                             # the loop's `logits = model(...)` replaces the previous micro-batch's logits now
                             kept_logits = None
                             if t.loss == "full":

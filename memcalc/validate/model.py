@@ -8,7 +8,8 @@ Op by op (what autograd saves is what the activation model must count; see docs/
   repeated for GQA) -> o -> residual add -> `norm2` -> MLP (SwiGLU: down(silu(gate(x)) * up(x)); GELU:
   proj(gelu_tanh(fc(x))); MoE models: `MoE`, HF's MixtralSparseMoeBlock with balanced routing, the first
   `first_dense_layers` keeping the dense MLP) -> residual add; MLA models: `LatentAttention` (HF
-  DeepseekV3Attention) in place of q/k/v/o;
+  DeepseekV3Attention) in place of q/k/v/o; a parallel block (`ModelSpec.block`) returns mlp(n2) + attn(n1) + x
+  with n2 = norm2(x), or n1 itself when the norm is shared (GPT-NeoX / lit-gpt order);
   dropout (when > 0, CUDA's native_dropout with its bool mask on every device) after o, after the MLP and on the
   attention probabilities;
 - final norm, LM head (tied: shares `tok.weight`), logits in the compute dtype; the loss upcasts them to fp32
@@ -405,13 +406,21 @@ class Block(nn.Module):
             self.attn: nn.Module = LatentAttention(m, dropout, selective, norm_impl)
         else:
             self.attn = Attention(m, kernel, dropout, selective, qkv_impl, gqa_impl)
-        self.norm2 = _norm(m, norm_impl)
+        self.block = m.block
+        self.norm2 = _norm(m, norm_impl) if m.block != "parallel-shared-norm" else None
         # an MoE model's first layers may keep a dense MLP of m.ffn (DeepSeek's first_k_dense_replace)
         self.mlp = MLP(m, dropout) if m.moe is None or dense else MoE(m, dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope)
-        return x + self.mlp(self.norm2(x))
+        if self.block == "sequential":
+            x = x + self.attn(self.norm1(x), rope)
+            assert self.norm2 is not None
+            return x + self.mlp(self.norm2(x))
+        # parallel residual, in GPT-NeoX's / lit-gpt's order: mlp(n2) + attn(n1) + x
+        n1 = self.norm1(x)
+        h = self.attn(n1, rope)
+        n2 = n1 if self.norm2 is None else self.norm2(x)
+        return self.mlp(n2) + h + x
 
 
 class Embed(nn.Module):
@@ -441,7 +450,7 @@ class Head(nn.Module):
     def __init__(self, m: ModelSpec, norm_impl: str = "fused", chunks: int = 0, chunk_size: int = 0):
         super().__init__()
         self.norm = _norm(m, norm_impl)
-        self.out = nn.Linear(m.hidden, m.vocab, bias=False)
+        self.out = nn.Linear(m.hidden, m.vocab, bias=m.head_bias)
         self.chunks, self.chunk_size = chunks, chunk_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
@@ -451,11 +460,21 @@ class Head(nn.Module):
         if self.chunks:
             # a chunked loss's model output (torchtune TransformerDecoder with num_output_chunks): the LM head
             # applied to each sequence chunk, a list of logits
-            return [self.out(c) for c in h.tensor_split(self.chunks, dim=1)]
+            return [self._chunk(c) for c in h.tensor_split(self.chunks, dim=1)]
         if self.chunk_size:
             # lit-gpt's GPT.forward with lm_head_chunk_size: the head per fixed-size piece of the sequence
-            return [self.out(c) for c in h.split(self.chunk_size, dim=1)]
+            return [self._chunk(c) for c in h.split(self.chunk_size, dim=1)]
         return self.out(h)
+
+    def _chunk(self, x: torch.Tensor) -> torch.Tensor:
+        """The head on one sequence chunk, as aten::linear runs it outside a dispatch mode: a non-contiguous chunk
+        (micro-batch > 1) with a bias goes through matmul and an in-place bias add (aten/native/Linear.cpp). Under
+        the tracker's TorchDispatchMode `isTensorSubclassLike` holds and linear adds out of place, a logits-sized
+        copy that a real run never makes."""
+        bias = getattr(self.out, "bias", None)  # a QuantLinear (--quantize-head) has none
+        if bias is None or x.is_contiguous():
+            return self.out(x)
+        return torch.matmul(x, self.out.weight.t()).add_(bias)
 
 
 class Checkpointed(nn.Module):

@@ -180,7 +180,8 @@ def apply_tp(model: GPT, tp_mesh: Any, sp: bool, loss_parallel: bool) -> None:
             plan["mlp.gate"] = ColwiseParallel()
         if sp:
             plan["norm1"] = SequenceParallel()
-            plan["norm2"] = SequenceParallel()
+            if b.norm2 is not None:  # a parallel block's shared norm has none (model.Block)
+                plan["norm2"] = SequenceParallel()
             # (x, rope): the rotary cos/sin are plain tensors shared by all layers (memcalc/validate/model.py)
             plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
             plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))

@@ -72,8 +72,15 @@ class QuantLinear(nn.Module):
         return self.absmax_code.float() / 255 * scale
 
     def dequantize(self) -> torch.Tensor:
-        """The weight in the compute dtype: one new (out, in) tensor, everything else untracked."""
-        out = torch.empty(self.out_features, self.in_features, dtype=self.compute_dtype, device=self.packed.device)
+        """The weight in the compute dtype: one new (out, in) tensor, everything else untracked. bitsandbytes <= 0.41
+        (`bnb-0.41`) dequantizes to fp16, the dtype it quantized from (`Params4bit.cuda` takes `.half()`), and the
+        caller's `.to(A.dtype)` makes the compute-dtype copy beside it."""
+        if self.backend == "bnb-0.41" and self.compute_dtype != torch.float16:
+            return self._dequantize(torch.float16).to(self.compute_dtype)
+        return self._dequantize(self.compute_dtype)
+
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.packed.device)
         with self.untracked():
             hi, lo = self.packed >> 4, self.packed & 15
             codes = torch.stack((hi, lo), dim=1).view(-1)[: self.n].long()
@@ -93,7 +100,7 @@ class _QuantMatmul(torch.autograd.Function):
         out = F.linear(x, w)
         del w
         ctx.q = q
-        if q.backend == "bnb" and ctx.needs_input_grad[0]:
+        if q.backend.startswith("bnb") and ctx.needs_input_grad[0]:
             ctx.save_for_backward(x)  # MatMul4Bit keeps A although B is frozen
         return out
 
