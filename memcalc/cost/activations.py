@@ -675,17 +675,17 @@ def _litgpt_upcasts(run: Run) -> bool:
 
 def loss_kept_bytes(run: Run) -> Num:
     """The logits the training loop keeps referenced until the next forward's replace them: through the backward,
-    the optimizer step and the next forward. lit-gpt's loop keeps `logits` (the model's list of chunks);
-    `--keep-logits compute|fp32` is a loop that keeps the model's output under `--loss full` (nanoGPT's
-    `logits, loss = model(X, Y)`; torchtune 0.1, whose model returns `self.output(h).float()`). 0 where the loop
-    deletes or never holds them."""
+    the optimizer step and the next forward. lit-gpt's loop keeps `logits` (the model's list of chunks, in fp32
+    under Lightning Fabric: `--keep-logits fp32`); `--keep-logits compute|fp32` is a loop that keeps the model's
+    output under `--loss full` (nanoGPT's `logits, loss = model(X, Y)`; torchtune 0.1, whose model returns
+    `self.output(h).float()`). 0 where the loop deletes or never holds them."""
     c = DTYPE_BYTES[run.recipe.compute_dtype]
     t = run.training
     if t.loss == "lit-gpt":
         # Lightning Fabric's bf16-true / bitsandbytes precision returns the model's output upcast to the default
         # dtype (`convert_output`, lightning/fabric/plugins/precision/half.py, bitsandbytes.py): --keep-logits fp32
         return (4 if t.keep_logits == "fp32" else c) * _logit_elems(run) * _gathered_replicas(run)
-    if t.keep_logits == "none":  # resolve() allows compute / fp32 only with --loss full
+    if t.keep_logits == "none":  # resolve() allows compute / fp32 with --loss full (and fp32 with lit-gpt)
         return 0
     return (4 if t.keep_logits == "fp32" else c) * _logit_elems(run)
 
