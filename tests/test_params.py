@@ -23,6 +23,10 @@ PUBLISHED = {
     "llama-2-70b": 68_976_648_192,
     "llama-3.1-8b": 8_030_261_248,
     "gpt2-xl": 1_557_611_200,
+    # EleutherAI/pythia README.md (dd90b79), "Total params": GPT-NeoX parallel blocks with two LayerNorms each
+    "pythia-1b": 1_011_781_632,
+    "pythia-6.9b": 6_857_302_016,
+    "pythia-12b": 11_846_072_320,
 }
 
 
