@@ -85,7 +85,9 @@ def render_estimate(est: Estimate, run: Run, units: str = "GiB", explain: bool =
     tr = inp["training"]
     hw = inp["hardware"]
 
-    title = (f"{model['display_name']} · {format_count(model['total_params'])} params · "
+    block = {"parallel": " · parallel blocks", "parallel-shared-norm": " · parallel blocks (one norm)"}
+    title = (f"{model['display_name']} · {format_count(model['total_params'])} params"
+             f"{block.get(model.get('block', 'sequential'), '')} · "
              f"{par['gpus']} x {hw['display_name'] or hw['name']} · profile {inp['profile']}")
     con.print(Text(title, style="bold"))
     layout = (f"dp {par['dp']} · tp {par['tp']}{' +SP' if par['sp'] else ''} · pp {par['pp']}"
