@@ -71,6 +71,25 @@ def test_amp_weight_casts_exclude_the_embedding_and_follow_recompute():
     assert "amp_weight_casts" not in stage_buffers(run(precision="fp32"))
 
 
+def test_amp_casts_a_tied_head():
+    """A tied LM head is the embedding matrix, and its matmul casts it under autocast (GPT-2, Llama 3.2 1B/3B): on the
+    stage that holds both, only learned positions stay uncast. Tied TINY: 4*65664 + 64000 + 64 = 326720 params; the
+    casts 2 * (326720 - 9 norms * 64) = 652,288, the untied model's figure (its head is the same size). The
+    harness measured a tied GPT-2-style AMP step 0.33% above the prediction before (the head's 1000 x 64 cast
+    missing), 0.02% after."""
+    tied = TINY.model_copy(update={"tied_embeddings": True})
+    assert total_params(tied) == 326_720
+    assert stage_buffers(run(model=tied, precision="bf16"))["amp_weight_casts"].bytes == 2 * (326_720 - 9 * 64)
+    # pp=2: the last stage holds its own copy of the head (cast), the first the embedding (looked up, not cast)
+    assert stage_buffers(run(model=tied, precision="bf16", pp=2), 0)["amp_weight_casts"].bytes == 2 * (
+        2 * LAYER - 4 * 64)
+    assert stage_buffers(run(model=tied, precision="bf16", pp=2), 1)["amp_weight_casts"].bytes == 2 * (
+        2 * LAYER - 4 * 64 + EMB)
+    # learned positions (GPT-2) are looked up: never cast
+    gpt = tied.model_copy(update={"positions": "learned", "max_positions": 128})
+    assert stage_buffers(run(model=gpt, precision="bf16"))["amp_weight_casts"].bytes == 2 * (326_720 - 9 * 64)
+
+
 def test_foreach_adam_temporaries():
     # _multi_tensor_adam: one sqrt(exp_avg_sq) tensor per stepped parameter, in the moment dtype
     assert stage_buffers(run(precision="fp32"))["foreach_adam_temporaries"].bytes == 4 * N
