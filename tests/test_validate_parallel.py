@@ -3,7 +3,7 @@ shared norm), Lightning Fabric's fp32 model output under lit-gpt's chunked loss 
 bitsandbytes 0.41's fp16 dequantization (`--quant-backend bnb-0.41`), each measured by the harness on the CPU.
 
 A parallel block's prediction has no error of its own: its whole-step error equals the sequential block's of the
-same shape to within a few bytes (the CPU's LayerNorm keeps its statistics in the input dtype where CUDA keeps
+same shape to within 64 bytes (1 KiB in a real gloo world's optimizer phase) (the CPU's LayerNorm keeps its statistics in the input dtype where CUDA keeps
 fp32, so the runs here are fp32 or compare like with like)."""
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def test_parallel_blocks_add_no_error(opts):
     for b in ("parallel", "parallel-shared-norm"):
         gap = _gap(reps[b])
         for k, v in seq.items():
-            assert abs(gap[k] - v) <= 64, (b, k, gap[k], v)
+            # a few bytes of slack; the optimizer phase of a real gloo world moves by a few hundred bytes from run to
+            # run (gloo's worker thread may still hold a small all-reduce buffer: docs/validation.md)
+            assert abs(gap[k] - v) <= (1024 if k == "optimizer" else 64), (b, k, gap[k], v)
         assert reps[b]["within_tolerance"]
         # every collective to the byte (under SP a shared norm has one Partial weight gradient fewer per layer)
         for c in reps[b]["collectives"]:
