@@ -3,7 +3,7 @@ shared norm), Lightning Fabric's fp32 model output under lit-gpt's chunked loss 
 bitsandbytes 0.41's fp16 dequantization (`--quant-backend bnb-0.41`), each measured by the harness on the CPU.
 
 A parallel block's prediction has no error of its own: its whole-step error equals the sequential block's of the
-same shape to within 64 bytes (1 KiB in a real gloo world's optimizer phase) (the CPU's LayerNorm keeps its statistics in the input dtype where CUDA keeps
+same shape to within 64 bytes (the CPU's LayerNorm keeps its statistics in the input dtype where CUDA keeps
 fp32, so the runs here are fp32 or compare like with like)."""
 
 from __future__ import annotations
@@ -42,20 +42,22 @@ def _gap(rep) -> dict[str, int]:
 @pytest.mark.parametrize("opts", [
     dict(precision="fp32", seq=256, micro_batch=2),
     dict(precision="bf16", seq=128, micro_batch=2, attention="eager"),  # AMP: fp32 stream, bf16 copies per linear
-    dict(precision="fp32", seq=128, micro_batch=2, gpus=2, tp=2, sp=True, model=dict(tied_embeddings=False)),
+    dict(precision="fp32", seq=256, micro_batch=2, gpus=2, tp=2, sp=True, model=dict(tied_embeddings=False)),
 ], ids=["fp32", "amp-eager", "tp2-sp"])
 def test_parallel_blocks_add_no_error(opts):
-    reps = {b: validate(_run(b, **dict(opts)), device="cpu", world="real", steps=1, timeout=240)
+    # TP runs one rank of a fake process group: a real gloo world's worker thread makes its small buffers' lifetimes
+    # vary from run to run by up to ~1 KB (docs/validation.md), more than the comparison's 64 bytes
+    world = "fake" if opts.get("gpus", 1) > 1 else "real"
+    reps = {b: validate(_run(b, **dict(opts)), device="cpu", world=world, steps=1, timeout=240)
             for b in ("sequential", "parallel", "parallel-shared-norm")}
     seq = _gap(reps["sequential"])
     for b in ("parallel", "parallel-shared-norm"):
         gap = _gap(reps[b])
         for k, v in seq.items():
-            # a few bytes of slack; the optimizer phase of a real gloo world moves by a few hundred bytes from run to
-            # run (gloo's worker thread may still hold a small all-reduce buffer: docs/validation.md)
-            assert abs(gap[k] - v) <= (1024 if k == "optimizer" else 64), (b, k, gap[k], v)
+            assert abs(gap[k] - v) <= 64, (b, k, gap[k], v)
         assert reps[b]["within_tolerance"]
         # every collective to the byte (under SP a shared norm has one Partial weight gradient fewer per layer)
+        assert reps[b]["collectives"] or world == "real"
         for c in reps[b]["collectives"]:
             assert (c["predicted_calls"], c["predicted_bytes"]) == (c["measured_calls"], c["measured_bytes"]), c
     # the blocks differ for real: one norm's saved input and statistics less per layer (parallel), the MLP's
