@@ -157,9 +157,9 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "double_quant": (bool, True, _opt("--double-quant/--no-double-quant", help="QLoRA double quantization of the "
                      "nf4 scales.", panel=_F)),
     "quant_backend": (str, "bnb", _opt("--quant-backend", help="Quantized base linears: bnb (bitsandbytes, HF PEFT "
-                      "QLoRA, lit-gpt: saves each linear's input) | bnb-0.41 (bitsandbytes <= 0.41: nf4 "
-                      "dequantizes to fp16, then to the compute dtype) | torchao (torchtune's linear_nf4: saves "
-                      "none).",
+                      "QLoRA, lit-gpt: saves each linear's input) | bnb-fp16 (the same, quantized from fp16: "
+                      "bitsandbytes <= 0.42 Params4bit.cuda, Lightning Fabric's plugin; nf4 dequantizes to fp16, "
+                      "then to the compute dtype) | torchao (torchtune's linear_nf4: saves none).",
                       panel=_F)),
     "quantize_head": (bool, False, _opt("--quantize-head/--no-quantize-head", help="The LM head is quantized like "
                       "the base linears (lit-gpt with Fabric's bnb plugin; HF and torchtune keep it bf16).",

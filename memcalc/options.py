@@ -72,7 +72,7 @@ CHOICES = {
     "base_dtype": ("nf4", "int8", "fp8", "bf16", "fp16", "fp32"),
     "dp_mode": ("collective", "ps", "dataparallel"),
     "cp_comm": ("p2p", "a2a"),
-    "quant_backend": ("bnb", "bnb-0.41", "torchao"),
+    "quant_backend": ("bnb", "bnb-fp16", "torchao"),
 }
 
 

@@ -240,7 +240,7 @@ class TrainingSpec(_Frozen):
     double_quant: bool = True  # QLoRA double quantization of the nf4 block scales
     # the library behind quantized (nf4 / int8) base linears: bitsandbytes' MatMul4Bit / MatMul8bitLt save their
     # input activation for backward; torchao's linear_nf4 (torchtune) saves only the weight
-    quant_backend: Literal["bnb", "bnb-0.41", "torchao"] = "bnb"
+    quant_backend: Literal["bnb", "bnb-fp16", "torchao"] = "bnb"
     # the LM head's weight is quantized like the layers' linears (lit-gpt: Fabric's BitsandbytesPrecision replaces
     # every nn.Linear; HF's BitsAndBytesConfig skips the output embedding and torchtune keeps it in bf16)
     quantize_head: bool = False

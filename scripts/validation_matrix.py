@@ -269,11 +269,12 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         dict(P2, precision="bf16", master_weights=False, lora_rank=4, lora_targets="qv", lora_dropout=0.05,
              qkv_impl="fused", loss="lit-gpt", keep_logits="fp32", block="parallel-shared-norm", head_bias=True),
         dict(gpt, positions="rotary", tied_embeddings=False))
-    # bitsandbytes 0.41 dequantizes through fp16: the quantized LM head's two copies are the peak at vocab 8192
+    # a weight quantized from fp16 (bitsandbytes <= 0.42) dequantizes through fp16: the quantized LM head's two copies
+    # are the peak at vocab 8192
     # (ffn 192: every matrix a whole number of 256 x 64-weight groups, the nf4 storage memcalc counts in total)
-    add("QLoRA, bitsandbytes 0.41 (fp16 dequantization), quantized head, vocab 8192",
+    add("QLoRA, bitsandbytes quantized from fp16 (bnb-fp16), quantized head, vocab 8192",
         dict(L, hidden=256, ffn=192, vocab=8192, seq=32, precision="bf16", master_weights=False, lora_rank=4,
-             lora_targets="qv", lora_dropout=0.05, qkv_impl="fused", base_dtype="nf4", quant_backend="bnb-0.41",
+             lora_targets="qv", lora_dropout=0.05, qkv_impl="fused", base_dtype="nf4", quant_backend="bnb-fp16",
              quantize_head=True, loss="lit-gpt", keep_logits="fp32"))
     return c
 
@@ -452,7 +453,7 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "copy; AdamW / Adam / SGD; non-reentrant checkpointing per block (full) or around the attention core "
            "(selective); block-by-block activation offloading; LoRA adapters on bf16 or NF4 base linears (packed "
            "4-bit codes and absmax as QLoRA stores them, dequantized around each matmul with bitsandbytes' or "
-           "torchao's autograd semantics, and bitsandbytes 0.41's through fp16); the full loss, torchtune's "
+           "torchao's autograd semantics, and through fp16 for bnb-fp16); the full loss, torchtune's "
            "chunked loss eager or compiled (the "
            "compiled per-chunk cross-entropy stands in for inductor's kernels: it saves what they save, "
            "tests/test_chunked_loss.py) and lit-gpt's loss (128-token head pieces, logits kept by the loop, "

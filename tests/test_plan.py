@@ -466,10 +466,10 @@ def test_mla_moe_plans_skip_cp_and_reproduce_to_the_byte():
     ("phi-1.5", dict(precision="bf16")),  # AMP: the shared norm's output cast per linear
     ("phi-1.5", dict(precision="bf16", master_weights=False, lora_rank=8, lora_targets="qv", lora_dropout=0.05,
                      qkv_impl="fused", loss="lit-gpt", keep_logits="fp32", base_dtype="nf4",
-                     quant_backend="bnb-0.41", quantize_head=True)),
+                     quant_backend="bnb-fp16", quantize_head=True)),
 ], ids=["neox-parallel", "phi-shared-norm-amp", "phi-lit-gpt-fabric-qlora"])
 def test_parallel_blocks_in_the_planner_equal_estimate(model, flags):
-    """Parallel blocks (one norm or two), Fabric's fp32 logits and bitsandbytes 0.41's fp16 dequantization go
+    """Parallel blocks (one norm or two), Fabric's fp32 logits and bitsandbytes' fp16 dequantization (bnb-fp16) go
     through the planner's array evaluation unchanged: sampled feasible layouts' bulk peaks equal `estimate`'s."""
     o = RunOptions(model=model, gpus=8, gpu="a100-40gb", global_batch=16, seq=2048, profile="torch", **flags)
     res = search(Request(o))

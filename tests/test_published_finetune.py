@@ -108,14 +108,14 @@ LIT = dict(precision="bf16", master_weights=False, optimizer="adamw", lora_rank=
 # replaces every nn.Linear not in `ignore_modules`, which lit-gpt's finetune/lora.py leaves empty: the LM head
 # (LoRALinear's inner linear) is quantized too, keeps its input (MatMul4Bit) and is dequantized at its matmuls.
 # bitsandbytes 0.41.1 quantizes a `.half()` copy (Params4bit.cuda), so each dequantization is fp16 and then cast to
-# bf16 (--quant-backend bnb-0.41): at the LM head's matmul both copies of the head are live (the nf4 rows of phi-1.5
+# bf16 (--quant-backend bnb-fp16): at the LM head's matmul both copies of the head are live (the nf4 rows of phi-1.5
 # and StableLM were -3.8% / -5.4% without it, Llama-2's -1.2..-1.6%)
-LIT_Q = dict(LIT, quantize_head=True, quant_backend="bnb-0.41")
+LIT_Q = dict(LIT, quantize_head=True, quant_backend="bnb-fp16")
 # phi-1.5 and StableLM-Base-Alpha-3B: lit-gpt's GPT-NeoX-style block (`parallel_residual`; phi with one shared
 # norm), torch.nn.LayerNorm (no --norm-impl fp32), GptNeoxMLP, biases on every linear (and phi's LM head); the
 # longest Alpaca sample is 1044 (phi-1.5) / 1034 (StableLM) tokens (the table's header)
 LIT_NEOX = {k: v for k, v in LIT.items() if k != "norm_impl"}
-LIT_NEOX_Q = dict(LIT_NEOX, quantize_head=True, quant_backend="bnb-0.41")
+LIT_NEOX_Q = dict(LIT_NEOX, quantize_head=True, quant_backend="bnb-fp16")
 PHI = dict(model="phi-1.5", seq=1044)
 SLM = dict(model="stablelm-base-alpha-3b", seq=1034)
 LITGPT = [
@@ -161,7 +161,7 @@ LITGPT += _litgpt_neox_cases("stablelm3b", SLM, (9.69, 6.35, 6.19, 12.10, 16.92)
 HUB = dict(precision="bf16", master_weights=False, optimizer="adamw", lora_rank=32, lora_targets="qv",
            lora_dropout=0.05, qkv_impl="fused", gpu="a100-40gb", seq=512, loss="lit-gpt", recompute="none",
            keep_logits="fp32")
-HUB_Q = dict(HUB, base_dtype="nf4", double_quant=False, quantize_head=True, quant_backend="bnb-0.41")
+HUB_Q = dict(HUB, base_dtype="nf4", double_quant=False, quantize_head=True, quant_backend="bnb-fp16")
 HUB_QLORA_MISS = ("the 2024 QLoRA rows are 7-12% above memcalc, about 11-13 bytes x hidden per token per layer on "
                   "every model (the Oct 2023 table's QLoRA rows, bitsandbytes 0.41.1, are within 0.3%): not "
                   "attributed; bitsandbytes 0.42's MatMul4Bit and Lightning 2.3's plugin are the changes read, "

@@ -1012,7 +1012,7 @@ def _remat_net(mode: str, terms: dict[str, Num], kept: Num) -> Num:
 
 def _keeps_inputs(t: Any) -> bool:
     """bitsandbytes' quantized linears save their input for backward (see `_lora_terms`)."""
-    return t.base_dtype in ("nf4", "int8") and t.quant_backend in ("bnb", "bnb-0.41")
+    return t.base_dtype in ("nf4", "int8") and t.quant_backend in ("bnb", "bnb-fp16")
 
 
 def _lora_input_unsaved(run: Run, adapted: bool) -> bool:
@@ -1086,12 +1086,12 @@ def dequant_bytes(run: Run) -> tuple[Num, Num, Num, Num]:
 
 
 def _dequant_cast(run: Run, dq: Num, out: Num) -> Num:
-    """bitsandbytes <= 0.41 (`--quant-backend bnb-0.41`) quantizes a `.half()` copy of each weight
-    (`Params4bit.cuda`), so `dequantize_4bit` returns fp16 and MatMul4Bit's `.to(A.dtype)` makes the compute-dtype
-    copy `dq` beside it: before the matmul's output `out` exists, the fp16 copy is live too. Returns what that
+    """A weight quantized from fp16 (`--quant-backend bnb-fp16`: bitsandbytes <= 0.42's `Params4bit.cuda` takes a
+    `.half()` copy, and so does Lightning Fabric's `_Linear4bit.quantize`) dequantizes to fp16 (`dequantize_4bit`),
+    and MatMul4Bit's `.to(A.dtype)` makes the compute-dtype copy `dq` beside it: before the matmul's output `out` exists, the fp16 copy is live too. Returns what that
     moment holds beyond `dq + out` (0 for an fp16 compute dtype, other backends, int8)."""
     t = run.training
-    if t.quant_backend != "bnb-0.41" or t.base_dtype != "nf4" or run.recipe.compute_dtype == "fp16":
+    if t.quant_backend != "bnb-fp16" or t.base_dtype != "nf4" or run.recipe.compute_dtype == "fp16":
         return 0
     fp16 = dq // DTYPE_BYTES[run.recipe.compute_dtype] * 2
     return imax(fp16 - out, 0)

@@ -72,10 +72,11 @@ class QuantLinear(nn.Module):
         return self.absmax_code.float() / 255 * scale
 
     def dequantize(self) -> torch.Tensor:
-        """The weight in the compute dtype: one new (out, in) tensor, everything else untracked. bitsandbytes <= 0.41
-        (`bnb-0.41`) dequantizes to fp16, the dtype it quantized from (`Params4bit.cuda` takes `.half()`), and the
-        caller's `.to(A.dtype)` makes the compute-dtype copy beside it."""
-        if self.backend == "bnb-0.41" and self.compute_dtype != torch.float16:
+        """The weight in the compute dtype: one new (out, in) tensor, everything else untracked. A weight quantized
+        from fp16 (`bnb-fp16`: bitsandbytes <= 0.42's `Params4bit.cuda` takes `.half()`, as does Lightning's
+        `_Linear4bit.quantize`) dequantizes to fp16, and the caller's `.to(A.dtype)` makes the compute-dtype copy
+        beside it."""
+        if self.backend == "bnb-fp16" and self.compute_dtype != torch.float16:
             return self._dequantize(torch.float16).to(self.compute_dtype)
         return self._dequantize(self.compute_dtype)
 
