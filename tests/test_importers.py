@@ -339,6 +339,23 @@ def test_megatron_cp_exchange_and_fused_cross_entropy_are_imported():
     assert unknown_keys(o.import_report) == set()
 
 
+@pytest.mark.parametrize("modules,recompute,note", [
+    ("core_attn", "selective", None),
+    ("core_attn mlp moe_act", "selective", "mlp moe_act recompute is not modelled"),
+    ("moe_act", "none", "the attention core is not recomputed"),
+])
+def test_megatron_recompute_modules(modules, recompute, note):
+    """--recompute-modules takes a list (argparse nargs='*'; default core_attn): its words are read as one flag's
+    value, not skipped as stray words. core_attn is memcalc's --recompute selective; the other modules are not
+    modelled, which a note says (their activations are counted: an over-estimate)."""
+    o = apply_imports(RunOptions(megatron_args=LLAMA3_ARGS + " --recompute-granularity selective "
+                                 f"--recompute-modules {modules} --use-distributed-optimizer", gpus=64))
+    assert build_run(o).training.recompute == recompute
+    notes = " ".join(o.import_report.notes)
+    assert "not --arguments" not in notes and unknown_keys(o.import_report) == set()
+    assert (note in notes) if note else "--recompute-modules" not in notes
+
+
 def test_megatron_with_model_keeps_the_preset_shape():
     o = apply_imports(RunOptions(megatron_args=LLAMA3_ARGS, gpus=64, model="llama-3.1-8b"))
     run = build_run(o)

@@ -76,7 +76,8 @@ _HANDLED = {
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
     "--num-virtual-stages-per-pipeline-rank", "--sequence-parallel", "--context-parallel-size",
     "--expert-model-parallel-size", "--use-distributed-optimizer", "--recompute-granularity", "--recompute-method",
-    "--recompute-num-layers", "--recompute-activations", "--checkpoint-activations", "--micro-batch-size",
+    "--recompute-num-layers", "--recompute-modules", "--recompute-activations", "--checkpoint-activations",
+    "--micro-batch-size",
     "--global-batch-size", "--seq-length", "--encoder-seq-length", "--num-layers", "--hidden-size",
     "--num-attention-heads", "--ffn-hidden-size", "--swiglu", "--group-query-attention", "--num-query-groups",
     "--untie-embeddings-and-output-weights", "--bf16", "--fp16", "--vocab-size", "--padded-vocab-size",
@@ -95,6 +96,8 @@ _RECORD = {"--make-vocab-size-divisible-by", "--distribute-saved-activations", "
            "--defer-embedding-wgrad-compute", "--use-torch-fsdp2", "--data-parallel-sharding-strategy",
            "--ddp-bucket-size", "--attention-backend", "--context-parallel-comm-type", "--tp-comm-overlap-cfg"}
 _MOE_PREFIXES = ("--num-experts", "--moe-")
+# arguments that take a list of words (argparse nargs='*' in megatron/training/arguments.py)
+_LISTS = {"--recompute-modules"}
 # MoE arguments read but not modelled: why (an MoE run whose memory they change is estimated without them)
 _MOE_UNMODELLED = {
     "--moe-expert-capacity-factor": "token dropping and capacity padding are not modelled (dropless routing "
@@ -170,6 +173,13 @@ def parse_args(words: list[str]) -> tuple[dict[str, str | bool], list[str]]:
         if w in _BOOL:
             args[w] = True
             i += 1
+            continue
+        if w in _LISTS:  # nargs='*': every word up to the next --flag
+            j = i + 1
+            while j < len(words) and not words[j].startswith("--"):
+                j += 1
+            args[w] = " ".join(words[i + 1:j]) or True
+            i = j
             continue
         nxt = words[i + 1] if i + 1 < len(words) else None
         if nxt is not None and not nxt.startswith("--"):
@@ -282,11 +292,14 @@ def import_megatron(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
                              "recomputed, in groups of that many; modelled as full recompute of every layer")
         elif gran == "selective" and k is not None:
             imp.notes.append("--recompute-num-layers applies to full granularity only; ignored with selective")
+        _recompute_modules(imp, args, gran)
     else:
         imp.set("recompute", "none", default=True)
         for flag in ("--recompute-method", "--recompute-num-layers"):
             if flag in args:
                 imp.ignore(flag, "needs --recompute-granularity full")
+        if "--recompute-modules" in args:
+            imp.ignore("--recompute-modules", "needs --recompute-granularity selective")
 
     # precision
     if args.get("--fp8-format"):
@@ -372,6 +385,29 @@ def import_megatron(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
         shown = ", ".join(skipped[:8]) + (f", ... ({len(skipped)} in all)" if len(skipped) > 8 else "")
         imp.notes.append(f"words that are not --arguments were skipped: {shown}")
     return imp
+
+
+def _recompute_modules(imp: Imported, args: dict[str, Any], gran: str) -> None:
+    """Megatron's `--recompute-modules` (nargs='*', default core_attn; megatron/training/arguments.py): the
+    submodules that selective granularity recomputes. memcalc's `--recompute selective` is the attention core's
+    (Korthikanti sec. 5); the others (mlp, moe, moe_act, layernorm, mla_up_proj, shared_experts, ...) are not
+    modelled, so with them the estimate keeps those submodules' activations: an over-estimate, said in a note."""
+    value = args.get("--recompute-modules")
+    if value is None:
+        return
+    if gran != "selective":
+        imp.ignore("--recompute-modules", "applies to --recompute-granularity selective only")
+        return
+    modules = str(value).split() if isinstance(value, str) else []
+    others = [mod for mod in modules if mod != "core_attn"]
+    if "core_attn" not in modules:
+        imp.set("recompute", "none")
+        imp.notes.append(f"--recompute-modules {' '.join(modules) or '(none)'}: the attention core is not recomputed; "
+                         "recompute of the other modules is not modelled (their activations are counted as kept: an "
+                         "over-estimate)")
+    elif others:
+        imp.notes.append(f"--recompute-modules: {' '.join(others)} recompute is not modelled (their activations are "
+                         "counted as kept: an over-estimate); core_attn is --recompute selective")
 
 
 def _layer_freq(value: str, layers: int | None, source: str) -> int:
