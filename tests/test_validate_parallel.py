@@ -1,6 +1,7 @@
 """Parallel transformer blocks (`ModelSpec.block`: GPT-NeoX `x + attn(ln1 x) + mlp(ln2 x)`, phi / GPT-J with one
 shared norm), Lightning Fabric's fp32 model output under lit-gpt's chunked loss (`--keep-logits fp32`) and
-a weight quantized from fp16 and dequantized through it (`--quant-backend bnb-fp16`: bitsandbytes <= 0.42), each measured by the harness on the CPU.
+a weight quantized from fp16 and dequantized through it (`--quant-backend bnb-fp16`: bitsandbytes <= 0.42), each
+measured by the harness on the CPU.
 
 A parallel block's prediction has no error of its own: its whole-step error equals the sequential block's of the
 same shape to within 64 bytes (the CPU's LayerNorm keeps its statistics in the input dtype where CUDA keeps

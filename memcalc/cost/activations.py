@@ -1088,8 +1088,9 @@ def dequant_bytes(run: Run) -> tuple[Num, Num, Num, Num]:
 def _dequant_cast(run: Run, dq: Num, out: Num) -> Num:
     """A weight quantized from fp16 (`--quant-backend bnb-fp16`: bitsandbytes <= 0.42's `Params4bit.cuda` takes a
     `.half()` copy, and so does Lightning Fabric's `_Linear4bit.quantize`) dequantizes to fp16 (`dequantize_4bit`),
-    and MatMul4Bit's `.to(A.dtype)` makes the compute-dtype copy `dq` beside it: before the matmul's output `out` exists, the fp16 copy is live too. Returns what that
-    moment holds beyond `dq + out` (0 for an fp16 compute dtype, other backends, int8)."""
+    and MatMul4Bit's `.to(A.dtype)` makes the compute-dtype copy `dq` beside it: before the matmul's output `out`
+    exists, the fp16 copy is live too. Returns what that moment holds beyond `dq + out` (0 for an fp16 compute
+    dtype, other backends, int8)."""
     t = run.training
     if t.quant_backend != "bnb-fp16" or t.base_dtype != "nf4" or run.recipe.compute_dtype == "fp16":
         return 0
