@@ -190,6 +190,18 @@ def test_fake_world_one_rank_of_1024_on_meta():
     assert {c["group"] for c in rep["collectives"]} == {"dp"}
 
 
+@pytest.mark.parametrize("kw", [dict(master_weights=False), dict(master_weights=False, lora_rank=4)],
+                         ids=["pure-bf16", "pure-bf16-lora"])
+def test_meta_device_with_bf16_parameters(kw):
+    """Parameters stored in bf16 on the meta device: the harness casts them by assigning `.data` (Module.to swaps a
+    fake-tensor model's parameters, which failed with "Couldn't swap Embedding.weight" while the tracker held weak
+    references to them); states exact and the peak within the bar."""
+    run, rep = _v(world="fake", device="meta", precision="bf16", gpus=1, **kw)
+    states = {r["name"]: r for r in rep["rows"] if r["section"] == "model_states"}
+    assert states["params"]["measured"] == states["params"]["predicted"]
+    assert rep["within_tolerance"], rep["error"]
+
+
 def test_fake_world_ddp_cpu():
     P = _tiny_params()
     _, rep = _v(world="fake", precision="fp32", gpus=16)

@@ -125,7 +125,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
     import torch.distributed as dist
 
     from memcalc.cost.activations import LITGPT_CHUNK_TOKENS, LOSS_CHUNKS
-    from memcalc.validate.model import GPT, RMSNorm, chunked_loss_fn, loss_fn
+    from memcalc.validate.model import GPT, RMSNorm, cast_params, chunked_loss_fn, loss_fn
     from memcalc.validate.parallelize import (
         apply_fsdp,
         apply_tp,
@@ -190,7 +190,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
 
         model = new_gpt()
         if param_dtype != torch.float32:
-            model.to(param_dtype)
+            cast_params(model, param_dtype)
         if t.lora_rank is not None:
             from memcalc.validate.model import apply_lora
 
@@ -212,7 +212,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
             for k in range(1, run.vpp):
                 full = new_gpt()
                 if param_dtype != torch.float32:
-                    full.to(param_dtype)
+                    cast_params(full, param_dtype)
                 chunks.append(split_stage(full, coords["pp"] + k * run.pp, n_stages, run))
                 del full
             model = torch.nn.ModuleList(chunks)

@@ -681,6 +681,14 @@ class FusedQKVLoRA(nn.Module):
         return out + padded.view(out.shape)
 
 
+def cast_params(model: nn.Module, dtype: torch.dtype) -> None:
+    """`model.to(dtype)` for the floating-point parameters, by assigning `.data`: Module._apply swaps the tensors of a
+    fake-tensor model (`--device meta`), which fails while the tracker holds weak references to them."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
 def apply_lora(model: nn.Module, targets: str, rank: int, base_dtype: torch.dtype, dropout: float = 0.0,
                adapter_dtype: torch.dtype = torch.float32) -> None:
     """Freeze every base weight, store it in `base_dtype` (the compute dtype, as PEFT loads a base model), and
@@ -688,7 +696,7 @@ def apply_lora(model: nn.Module, targets: str, rank: int, base_dtype: torch.dtyp
     (memcalc's AMP recipe), or bf16 with no master copy (lit-gpt `bf16-true`, torchtune)."""
     for p in model.parameters():
         p.requires_grad_(False)
-    model.to(base_dtype)
+    cast_params(model, base_dtype)
     names = lora_projections(targets)
     for module in list(model.modules()):
         if isinstance(module, Attention) and module.fused:
