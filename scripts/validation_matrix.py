@@ -276,6 +276,14 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         dict(L, hidden=256, ffn=192, vocab=8192, seq=32, precision="bf16", master_weights=False, lora_rank=4,
              lora_targets="qv", lora_dropout=0.05, qkv_impl="fused", base_dtype="nf4", quant_backend="bnb-fp16",
              quantize_head=True, loss="lit-gpt", keep_logits="fp32"))
+    # the new presets at full size, one rank on the meta device: Pythia-1B's GPT-NeoX blocks under FSDP2 ZeRO-3 on 8,
+    # and lit-gpt's phi-1.5 LoRA run of its resource table (docs/published-finetune.md row 22: mb 2, seq 1044)
+    add("Pythia-1B (parallel blocks), FSDP2 ZeRO-3 bf16, world 8, seq 1024 (meta)",
+        dict(model="pythia-1b", precision="bf16", gpus=8, zero=3, seq=1024), world="fake", device="meta")
+    add("phi-1.5 lit-gpt LoRA q,v, Fabric fp32 logits, mb 2 x seq 1044 (meta)",
+        dict(model="phi-1.5", precision="bf16", master_weights=False, lora_rank=8, lora_targets="qv",
+             lora_dropout=0.05, qkv_impl="fused", loss="lit-gpt", keep_logits="fp32", seq=1044, micro_batch=2),
+        world="fake", device="meta")
     return c
 
 
