@@ -276,6 +276,12 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         dict(L, hidden=256, ffn=192, vocab=8192, seq=32, precision="bf16", master_weights=False, lora_rank=4,
              lora_targets="qv", lora_dropout=0.05, qkv_impl="fused", base_dtype="nf4", quant_backend="bnb-fp16",
              quantize_head=True, loss="lit-gpt", keep_logits="fp32"))
+    # eager attention under recompute: the selectively re-run core's backward (38% low before it was a moment) and
+    # the full-recompute forward's softmax (eager_attention_forward)
+    add("eager attention, selective recompute, fp32 MHA, seq 512", dict(X, kv_heads=4, precision="fp32",
+                                                                      attention="eager", recompute="selective"))
+    add("eager attention, full recompute, pure bf16, seq 512", dict(X, precision="bf16", master_weights=False,
+                                                                    attention="eager", recompute="full"))
     # the new presets at full size, one rank on the meta device: Pythia-1B's GPT-NeoX blocks under FSDP2 ZeRO-3 on 8,
     # and lit-gpt's phi-1.5 LoRA run of its resource table (docs/published-finetune.md row 22: mb 2, seq 1044)
     add("Pythia-1B (parallel blocks), FSDP2 ZeRO-3 bf16, world 8, seq 1024 (meta)",

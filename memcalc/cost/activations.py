@@ -358,7 +358,8 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     if m.mla is not None:
         _mla_terms(run, out)
     else:
-        _qkv_terms(run, out, fused_qkv, gqa, eager)
+        # a selectively recomputed eager core saves its inputs, K and V before their repetition
+        _qkv_terms(run, out, fused_qkv, gqa, eager and recompute != "selective")
     d_v = m.mla.v_head_dim if m.mla is not None else d
     # Rotary: q*cos + rotate_half(q)*sin saves only cos/sin (per micro-batch, shared by all layers; counted once
     # per stage in `stage_terms`), not the pre-rotary q/k: nothing per layer.
@@ -925,6 +926,8 @@ class StageActivations:
     backward_later_layer_bytes: Num
     # the same moment with the compute-dtype logits still live (end of forward, at the LM head matmul)
     forward_head_bytes: Num
+    # eager attention's core in that last layer's forward (`eager_attention_forward`; _NEVER where not modelled)
+    forward_attention_bytes: Num
     # the start of the last layer's forward of the last micro-batch before a backward: everything held but that
     # layer's activations and the loss / LM-head terms (FSDP2 has just gathered the layer's parameters)
     forward_layer_bytes: Num
@@ -1157,7 +1160,7 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None) -> N
     return stream + (mlp if run.profile == "megatron" else imax(mlp, attention_backward(run, terms)))
 
 
-def attention_backward(run: Run, terms: dict[str, Num] | None = None) -> Num:
+def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed: bool = False) -> Num:
     """The attention core's backward moment beyond the layer's saved set and the residual stream's gradient (torch
     and deepspeed profiles; Megatron's is `megatron_attention_backward`). By then the output projection, the MLP
     and their norms and masks (the terms saved after the core) have run their backward and freed what they saved,
@@ -1176,9 +1179,10 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None) -> Num:
     fp32 softmax sum (4 b a/t s_128) and, under GQA, dK and dV expanded to every query head (2 c tok a/t d); none
     is visible to the CPU's tracker. The moment is the layer's highest only when the MLP's saved set is small
     next to it (ffn far below h, or eager attention at long sequences). `terms`: the layer's `layer_terms(run)`,
-    where the caller has them."""
+    where the caller has them. `recomputed`: the core of a selectively recomputed layer, back for its backward
+    (the moment is then relative to the plain saved set, which the caller restores)."""
     m = run.model
-    if run.profile == "megatron" or run.training.recompute == "selective" or m.mla is not None:
+    if run.profile == "megatron" or (run.training.recompute == "selective" and not recomputed) or m.mla is not None:
         return _NEVER
     c, tok, _, _ = _shape(run)
     terms = layer_terms(run, "none") if terms is None else terms
@@ -1193,6 +1197,9 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None) -> Num:
         core_but_softmax = sum(terms.get(k, 0) for k in _CORE if k != "attn_softmax")
         at_matmul = d_o + terms["v"] + c * scores - after
         at_softmax = 8 * scores - after - core_but_softmax
+        if recomputed and m.kv_heads < m.heads:
+            # the re-run value matmul's saved V repetition (which the caller adds) is freed by its backward
+            at_softmax = at_softmax - terms["v"]
         moment = imax(at_matmul, at_softmax)
     if m.block == "parallel-shared-norm":
         # the MLP branch's backward ran first and left its input's gradient in the shared norm's input buffer,
@@ -1200,6 +1207,65 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None) -> Num:
         moment = moment + _residual_grad_bytes(run)
     # context parallelism exchanges K/V (ring) or Q/K/V (all-to-all) inside the core: not derived here
     return where(run.cp > 1, _NEVER, moment)
+
+
+def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
+    """Eager attention's forward moment inside the last layer, beyond what is held when that layer starts: the
+    terms before the core (`terms`, the layer's saved set in `mode`; its live locals norm output, Q, K, V where a
+    checkpointed layer runs without grad) and the core's own tensors, of S = a/t tok s scores (torch and deepspeed
+    profiles: Hugging Face's `matmul(q, k^T) * scale + mask`, `softmax(dtype=float32).to(dtype)`, dropout):
+    - the scaling and the additive mask: two score tensors at once, and the harness's (s, s) bias (2 c S + c s^2);
+    - the softmax: the masked scores, their fp32 upcast (none when they are fp32) and the fp32 output ((c + 8) S,
+      or 8 S in fp32);
+    - with dropout, its bool mask and output beside the scores, the softmax output and its compute-dtype copy
+      ((3 c + 5) S; 13 S in fp32, where the copy is the output itself).
+    Beside them, the projections' Q and K (and V under GQA), which the matmuls copy or repeat.
+    Derived from the op order and measured by the harness (tests/test_validate_attention.py). `_NEVER` for
+    flash, Megatron (fused softmax), MLA, context parallelism."""
+    m = run.model
+    if run.training.attention != "eager" or run.profile == "megatron" or m.mla is not None:
+        return _NEVER
+    c, tok, _, _ = _shape(run)
+    heads, kv = m.heads // run.tp, m.kv_heads // run.tp
+    scores = heads * tok * run.seq
+    s_loc = run.seq // run.cp
+    fused = run.training.qkv_impl == "fused"
+    # under GQA the projections' K and V stay referenced by the attention's forward beside their repetitions
+    originals = c * tok * m.head_dim * 2 * kv if (m.kv_heads < m.heads and not fused) else 0
+    if mode in ("full", "op"):
+        # a checkpointed layer: its saved input, and its norm output, Q, K, V as locals (the matmuls' copies of Q
+        # and K^T are freed with the matmul when nothing saves them)
+        plain = layer_terms(run, "none")
+        before = sum(terms.values()) + sum(plain.get(k, 0) for k in ("qkv_input", "q", "k", "v", "qkv_fused_buffer"))
+    elif mode == "selective":
+        # the core runs checkpointed: its inputs Q, K, V are saved (`terms`), the matmuls' copies are not kept, and
+        # under GQA the repetitions of K and V are its locals
+        before = sum(x for k, x in terms.items() if k in _UP_TO_CORE and k not in _CORE)
+        before = before + (2 * c * tok * m.head_dim * heads if m.kv_heads < m.heads else 0)
+        originals = 0
+    else:
+        before = sum(x for k, x in terms.items() if k in _UP_TO_CORE and k not in _CORE)
+        if _qk_copied(run):
+            # the saved q and k terms are the matmul's copies (Q and K^T in the (b, s, a, d) layout cannot be batched
+            # without one; under GQA K's repetition is batched as it is): the projections' Q (and MHA's K) are
+            # still referenced beside them
+            before = before + c * tok * m.head_dim * (heads + (kv if m.kv_heads == m.heads else 0))
+    before = before + originals
+    up = 0 if c == 4 else 4 * scores  # softmax(dtype=float32)'s upcast of compute-dtype scores
+    copy = 0 if c == 4 else c * scores  # `.to(dtype)` of the fp32 probabilities
+    at_mask = 2 * c * scores + c * s_loc * s_loc
+    at_softmax = c * scores + up + 4 * scores
+    moment = imax(at_mask, at_softmax)
+    if run.dropout > 0:
+        moment = imax(moment, c * scores + 4 * scores + copy + scores + c * scores)
+    return where(run.cp > 1, _NEVER, before + moment)
+
+
+def _qk_copied(run: Run) -> bool:
+    """Eager attention's `matmul(q, k^T)` copies Q and K: they reach it in the projections' (b, s, a, d) layout,
+    which cannot be batched as is. Rotary embeddings leave them contiguous (rotate-half's `torch.cat` sets the
+    layout of `q * cos + rotate_half(q) * sin`), and lit-gpt's fused QKV makes them contiguous itself: no copy."""
+    return run.training.qkv_impl != "fused" and run.model.positions != "rotary"
 
 
 def _megatron_mlp_backward(run: Run) -> Num:
@@ -1335,6 +1401,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     plain_layers = unit_layers - ck
 
     plain = layer_terms(run, "none")
+    ck_terms = plain  # a checkpointed layer's saved set (below)
     detail: dict[str, Num] = {}
     plain_bytes = 0
     mult = plain_layers * units
@@ -1347,6 +1414,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     off = tr.offload_activations
     if mode != "none":
         kept = layer_terms(run, mode)
+        ck_terms = kept
         kept_bytes = 0
         mult = ck * units
         for key, v in kept.items():
@@ -1519,6 +1587,28 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     attn = attention_backward(run, plain)
     modelled = not off and not (isinstance(attn, int) and attn == _NEVER)
     attn_bwd = base + _layer_moment(mode, _residual_grad_bytes(run) + attn, remat) if modelled else _NEVER
+    if mode == "selective" and not off and run.training.attention == "eager":
+        # the core comes back (its saved set, `plain`'s core terms) after the layer's MLP backward, and its backward
+        # then runs as a plain layer's would (relative to the plain saved set); a plain last layer
+        # (--recompute-layers) keeps its `attn` moment
+        rec = attention_backward(run, plain, recomputed=True)
+        if not (isinstance(rec, int) and rec == _NEVER):
+            # the re-run core's own saved set (plain's core terms), its matmuls' saved copies of Q and K^T beside
+            # the checkpoint's saved Q and K (`_qk_copied`), and its output, which the recomputation leaves referenced
+            gqa = m.kv_heads < m.heads
+            # Q's copy and K^T's (MHA), or K's and V's repetitions (GQA: saved by the re-run matmuls as they are;
+            # V's is freed by the value matmul's backward, before the softmax's: `attention_backward`)
+            copies = (plain["q"] + (0 if gqa else plain["k"]) if _qk_copied(run) else 0) + (
+                plain["k"] + plain["v"] if gqa else 0)
+            back = sum(plain.get(k, 0) for k in _CORE) + copies + plain["attn_output"]
+            attn_bwd = where(plain_layers >= 1, attn_bwd, base + _residual_grad_bytes(run) + back + rec)
+    # eager attention's core in the last layer's forward: a plain layer, unless all of the unit's are checkpointed
+    attn_fwd = _NEVER
+    if not off:
+        core_fwd = eager_attention_forward(run, plain, "none")
+        if mode != "none":
+            core_fwd = where(plain_layers >= 1, core_fwd, eager_attention_forward(run, ck_terms, mode))
+        attn_fwd = base - one_layer + w_prev + core_fwd
     pair = w_last + w_prev
     return StageActivations(
         held_bytes=held + w_last,
@@ -1530,6 +1620,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_later_layer_bytes=where(total_units > 1, layer_bwd - held + held_later + sent, 0),
         forward_head_bytes=base + w_last + where(last, _head_moment(run, logits, dq_head_fwd), 0),
         forward_layer_bytes=base - one_layer + w_prev,
+        forward_attention_bytes=attn_fwd,
         forward_layer_end_bytes=base + pair + layer_out,
         backward_post_bytes=base - one_layer + w_prev + _residual_grad_bytes(run),
         loss_kept_bytes=kept,

@@ -236,6 +236,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         moment(later_fwd_g, act.forward_bytes, buf("forward")),
         moment(later_fwd_g, act.forward_head_bytes, buf("forward_head")),
         moment(later_fwd_g, act.forward_layer_bytes, buf("forward_layer")),
+        moment(later_fwd_g, act.forward_attention_bytes, buf("forward_layer")),
         moment(later_fwd_g, act.forward_layer_end_bytes, buf("forward_layer_end")),
     ]
     # backward: the loss gradient (start of the first backward), the first layer's backward (loss terms freed,
