@@ -1593,11 +1593,11 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         # (--recompute-layers) keeps its `attn` moment
         rec = attention_backward(run, plain, recomputed=True)
         if not (isinstance(rec, int) and rec == _NEVER):
-            # the re-run core's own saved set (plain's core terms), its matmuls' saved copies of Q and K^T beside
-            # the checkpoint's saved Q and K (`_qk_copied`), and its output, which the recomputation leaves referenced
+            # the re-run core's own saved set (plain's core terms) beside the checkpoint's saved Q, K, V: its matmuls'
+            # saved copies of Q and K^T (MHA, `_qk_copied`) or of Q and K's and V's repetitions (GQA: V's is freed by
+            # the value matmul's backward, before the softmax's, `attention_backward`), and its output, which the
+            # recomputation leaves referenced
             gqa = m.kv_heads < m.heads
-            # Q's copy and K^T's (MHA), or K's and V's repetitions (GQA: saved by the re-run matmuls as they are;
-            # V's is freed by the value matmul's backward, before the softmax's: `attention_backward`)
             copies = (plain["q"] + (0 if gqa else plain["k"]) if _qk_copied(run) else 0) + (
                 plain["k"] + plain["v"] if gqa else 0)
             back = sum(plain.get(k, 0) for k in _CORE) + copies + plain["attn_output"]
