@@ -132,7 +132,8 @@ class ModelSpec(_Frozen):
             raise ValueError(f"moe first_dense_layers {self.moe.first_dense_layers} leaves no MoE layer of "
                              f"{self.layers}; valid: 0..{self.layers - 1}")
         if self.head_bias and self.tied_embeddings:
-            raise ValueError("head_bias with tied_embeddings is not modelled: a tied LM head has no bias of its own")
+            raise ValueError("--head-bias with --tied-embeddings is not modelled (a tied LM head has no bias of its "
+                             "own); valid: --untied-embeddings or --no-head-bias")
         if self.block != "sequential" and (self.moe is not None or self.mla is not None):
             raise ValueError(f"block {self.block!r} is modelled for dense attention and MLP layers; a mixture of "
                              "experts or latent attention needs block 'sequential'")

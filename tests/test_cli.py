@@ -256,4 +256,4 @@ def test_block_flag_errors_are_one_line():
     code, out, err = cli("estimate", "--model", "stablelm-base-alpha-3b", "--profile", "megatron")
     assert code == 2 and "--block parallel with --profile megatron" in err and len(err.strip().splitlines()) == 1
     code, out, err = cli("estimate", "--model", "phi-1.5", "--tied-embeddings")
-    assert code == 2 and "head_bias" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "--head-bias with --tied-embeddings" in err and len(err.strip().splitlines()) == 1

@@ -30,7 +30,6 @@ from memcalc.cost.params import (
     first_backward_grad_elems,
     head_params,
     layer_norms,
-    padded_vocab,
     dense_layer_params,
     first_dense_layers,
     layer_params,
@@ -177,9 +176,8 @@ def _matmul_weight_elems(run: Run, stage: Num) -> Num:
     left out (GPT-2, Llama 3.2 1B/3B under AMP; measured by the harness)."""
     m = run.model
     emb = _scaled(run, embedding_params(m, run.profile, run.tp))
-    if m.tied_embeddings:
-        word = _scaled(run, cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden)
-        emb = emb - where(stage == run.pp - 1, word, 0)
+    if m.tied_embeddings:  # the word matrix, the head's (a tied head has no bias: ModelSpec._check)
+        emb = emb - where(stage == run.pp - 1, _scaled(run, head_params(m, run.profile, run.tp)), 0)
     n_norms = layer_norms(m) * stage_layers(m, run.pp, stage) + where(stage == run.pp - 1, 1, 0)
     norms = _scaled(run, norm_params(m) * n_norms)
     return _stage_elems(run, stage) - where(stage == 0, emb, 0) - norms

@@ -298,8 +298,7 @@ def import_megatron(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
         for flag in ("--recompute-method", "--recompute-num-layers"):
             if flag in args:
                 imp.ignore(flag, "needs --recompute-granularity full")
-        if "--recompute-modules" in args:
-            imp.ignore("--recompute-modules", "needs --recompute-granularity selective")
+        _recompute_modules(imp, args, None)
 
     # precision
     if args.get("--fp8-format"):
@@ -387,7 +386,7 @@ def import_megatron(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
     return imp
 
 
-def _recompute_modules(imp: Imported, args: dict[str, Any], gran: str) -> None:
+def _recompute_modules(imp: Imported, args: dict[str, Any], gran: str | None) -> None:
     """Megatron's `--recompute-modules` (nargs='*', default core_attn; megatron/training/arguments.py): the
     submodules that selective granularity recomputes. memcalc's `--recompute selective` is the attention core's
     (Korthikanti sec. 5); the others (mlp, moe, moe_act, layernorm, mla_up_proj, shared_experts, ...) are not
