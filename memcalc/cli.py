@@ -126,6 +126,11 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                     "`logits, loss = model(X, Y)`) | fp32 (a model that returns upcast logits: torchtune 0.1; with "
                     "--loss lit-gpt, Lightning Fabric's bf16-true / bitsandbytes precision, whose convert_output "
                     "upcasts the chunks). --loss full or lit-gpt.", panel=_T)),
+    "peak_step": (str, "steady", _opt("--peak-step", help="Which micro-batch's peak: steady (one in the middle "
+                  "of training, after another of the same shape: the loop's kept logits and the bitsandbytes inputs "
+                  "held by the previous graph are live) | first (the run's first, before any optimizer step: nothing "
+                  "from an earlier micro-batch, and torch.optim's states not created yet; a loop that trains on its "
+                  "longest batch first, as lit-gpt did in 2023, peaks there).", panel=_T)),
     "offload_activations": (bool, False, _opt("--offload-activations/--no-offload-activations", help="Layers' "
                             "saved activations go to host memory in forward and come back in backward, one layer "
                             "ahead (torchtune enable_activation_offloading, Megatron/TE --cpu-offloading); two "

@@ -35,7 +35,7 @@ FLAG_OF = {
     "attention": "--attention", "norm_impl": "--norm-impl", "qkv_impl": "--qkv-impl",
     "gqa_impl": "--gqa-impl", "optimizer_impl": "--optimizer-impl", "offload_activations": "--offload-activations",
     "quantize_head": "--quantize-head", "lora_dropout": "--lora-dropout", "loss": "--loss", "dropout": "--dropout",
-    "keep_logits": "--keep-logits",
+    "keep_logits": "--keep-logits", "peak_step": "--peak-step",
     "fragmentation": "--fragmentation",
     "mfu": "--mfu", "gpus": "--gpus", "dp": "--dp", "tp": "--tp", "pp": "--pp", "vpp": "--vpp", "cp": "--cp",
     "ep": "--ep", "zero": "--zero", "offload": "--offload", "schedule": "--schedule",
@@ -57,6 +57,7 @@ CHOICES = {
     "attention": ("flash", "eager"),
     "loss": ("full", "fused", "chunked", "chunked-eager", "lit-gpt"),
     "keep_logits": ("none", "compute", "fp32"),
+    "peak_step": ("steady", "first"),
     "offload": ("none", "optimizer", "params"),
     "schedule": ("1f1b", "interleaved", "gpipe", "pipedream", "pipedream-2bw"),
     "profile": PROFILES,
@@ -152,6 +153,7 @@ class RunOptions:
     gqa_impl: str = "native"
     loss: str = "full"
     keep_logits: str = "none"
+    peak_step: str = "steady"
     offload_activations: bool = False
     dropout: float | None = None
     foreach: bool | None = None
@@ -396,8 +398,8 @@ def build_run(o: RunOptions) -> Run:
 
         o = apply_imports(o)  # explicit = every field that differs from its default
     profile = check_choice("profile", o.profile)
-    for field in ("precision", "grad_dtype", "optimizer", "recompute", "attention", "loss", "keep_logits", "offload",
-                  "schedule", "lora_targets", "base_dtype", "dp_mode", "cp_comm", "quant_backend", "norm_impl",
+    for field in ("precision", "grad_dtype", "optimizer", "recompute", "attention", "loss", "keep_logits", "peak_step",
+                  "offload", "schedule", "lora_targets", "base_dtype", "dp_mode", "cp_comm", "quant_backend", "norm_impl",
                   "qkv_impl", "gqa_impl", "optimizer_impl"):
         setattr(o, field, check_choice(field, getattr(o, field)))
     for flag, v in (("--gpus", o.gpus), ("--dp", o.dp), ("--tp", o.tp), ("--pp", o.pp), ("--vpp", o.vpp),
@@ -425,7 +427,7 @@ def build_run(o: RunOptions) -> Run:
             seq=o.seq, micro_batch=o.micro_batch, global_batch=o.global_batch, grad_accum=o.grad_accum,
             precision=o.precision, master_weights=o.master_weights, grad_dtype=o.grad_dtype, optimizer=o.optimizer,
             recompute=o.recompute, recompute_layers=o.recompute_layers, attention=o.attention, loss=o.loss,
-            keep_logits=o.keep_logits,
+            keep_logits=o.keep_logits, peak_step=o.peak_step,
             offload_activations=o.offload_activations,
             norm_impl=o.norm_impl, qkv_impl=o.qkv_impl, gqa_impl=o.gqa_impl, lora_dropout=o.lora_dropout,
             dropout=o.dropout, foreach=o.foreach, optimizer_impl=o.optimizer_impl, fragmentation=o.fragmentation,

@@ -222,6 +222,11 @@ class TrainingSpec(_Frozen):
     # dtype until the next forward replaces them: nanoGPT's `logits, loss = model(X, Y)`) or fp32 (a model that
     # returns upcast logits: torchtune 0.1's `self.output(h).float()`); docs/methodology.md "The loop's logits"
     keep_logits: Literal["none", "compute", "fp32"] = "none"
+    # which micro-batch's peak: steady (one in the middle of training, after another of the same shape: whatever
+    # the loop keeps from the previous one is live) or first (the run's first, before any optimizer step: nothing
+    # of an earlier micro-batch, and torch.optim's states not yet created; lit-gpt <= 2023 trains on the longest
+    # sample first); docs/methodology.md "The first step"
+    peak_step: Literal["steady", "first"] = "steady"
     # the layers' saved activations live in host memory between their forward and backward, double-buffered one
     # layer at a time (docs/methodology.md "Activation offloading"); embedding, final norm, head and loss stay
     offload_activations: bool = False

@@ -290,6 +290,17 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         dict(model="phi-1.5", precision="bf16", master_weights=False, lora_rank=8, lora_targets="qv",
              lora_dropout=0.05, qkv_impl="fused", loss="lit-gpt", keep_logits="fp32", seq=1044, micro_batch=2),
         world="fake", device="meta")
+    # what outlives a backward: bitsandbytes keeps its linears' inputs on `ctx`, and lit-gpt's loop keeps `loss` (so
+    # the graph) until the next micro-batch's loss: the steady-state forward holds the previous one's inputs
+    # (graph_held_layer_bytes); and the run's first micro-batch (--peak-step first: no warm-up, no AdamW state yet)
+    add("QLoRA nf4 bnb, lit-gpt loop: the previous graph's held inputs, seq 128", dict(
+        Q, **LIT, seq=128, lora_targets="qv", lora_dropout=0.05, quantize_head=True, loss="lit-gpt",
+        keep_logits="fp32"))
+    add("first step (--peak-step first), single fp32: no AdamW state before its first step", dict(
+        L, precision="fp32", peak_step="first"))
+    add("first step, lit-gpt LoRA q,v, Fabric fp32 logits: no previous logits, pure bf16", dict(
+        L, **LIT, precision="bf16", master_weights=False, lora_rank=4, lora_targets="qv", lora_dropout=0.05,
+        loss="lit-gpt", keep_logits="fp32", peak_step="first"))
     return c
 
 

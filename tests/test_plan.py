@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+from typing import Any
 
 import numpy as np
 import pytest
@@ -393,14 +394,20 @@ def test_model_code_and_lora_dropout_in_the_planner_equal_estimate():
     o = RunOptions(model="llama-2-7b", gpus=8, gpu="a100-40gb", global_batch=16, seq=2048, profile="torch",
                    lora_rank=8, lora_targets="qv", lora_dropout=0.05, norm_impl="fp32", qkv_impl="fused",
                    precision="bf16", master_weights=False)
+    for run, bulk_peak in _sampled_feasible(o, seed=3):
+        assert run.training.qkv_impl == "fused" and run.training.lora_dropout == 0.05
+        assert peak_bytes(run) == bulk_peak
+
+
+def _sampled_feasible(o: RunOptions, seed: int, n: int = 25) -> list[tuple[Any, int]]:
+    """Up to n of the bulk search's feasible layouts for `o`, each as (its run rebuilt through `estimate`'s
+    rules, the bulk search's peak bytes)."""
     res = search(Request(o))
     f = res.feasible
     assert f.size > 0
-    rng = np.random.default_rng(3)
-    for i in rng.choice(f.size, size=min(25, f.size), replace=False):
-        run = build_run(config_options(res, int(f.pair[i]), int(f.combo[i])))
-        assert run.training.qkv_impl == "fused" and run.training.lora_dropout == 0.05
-        assert peak_bytes(run) == int(f.peak[i])
+    rng = np.random.default_rng(seed)
+    return [(build_run(config_options(res, int(f.pair[i]), int(f.combo[i]))), int(f.peak[i]))
+            for i in rng.choice(f.size, size=min(n, f.size), replace=False)]
 
 
 
@@ -479,3 +486,17 @@ def test_parallel_blocks_in_the_planner_equal_estimate(model, flags):
         run = build_run(config_options(res, int(f.pair[i]), int(f.combo[i])))
         assert run.model.block != "sequential"
         assert peak_bytes(run) == int(f.peak[i])
+
+
+@pytest.mark.parametrize("step", ["steady", "first"])
+def test_held_graph_and_first_step_in_the_planner_equal_estimate(step):
+    """bitsandbytes' ctx-held inputs under lit-gpt's loop (the previous graph live through the next forward) and
+    `--peak-step first` pass through the planner's array evaluation: sampled feasible layouts' bulk peaks equal
+    `estimate`'s to the byte."""
+    o = RunOptions(model="llama-2-7b", gpus=8, gpu="a100-40gb", global_batch=16, seq=2048, profile="torch",
+                   lora_rank=8, lora_targets="qv", lora_dropout=0.05, norm_impl="fp32", qkv_impl="fused",
+                   precision="bf16", master_weights=False, base_dtype="nf4", quantize_head=True, loss="lit-gpt",
+                   keep_logits="fp32", peak_step=step)
+    for run, bulk_peak in _sampled_feasible(o, seed=5):
+        assert run.training.peak_step == step
+        assert peak_bytes(run) == bulk_peak

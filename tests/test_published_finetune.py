@@ -101,9 +101,12 @@ def rel_error(case: Case) -> float:
 # BitsandbytesPrecision `convert_output`, lightning/fabric/plugins/precision/half.py, bitsandbytes.py): the loop
 # keeps fp32 chunks and the cross-entropy saves fp32 log-softmaxes (--keep-logits fp32; each row was 0.2-0.4 GB
 # lower before, ~4.6 B per logit and micro-batch on every model).
+# The table's loop trains on the longest sample first (`get_batch(..., longest_seq_ix if iter_num == 0 else None)`,
+# finetune/lora.py as stored) and on random, shorter ones after: its peak is the first micro-batch's, with nothing
+# kept from an earlier one and no AdamW state yet (--peak-step first; docs/published-finetune.md A).
 LIT = dict(precision="bf16", master_weights=False, optimizer="adamw", lora_rank=8, lora_targets="qv",
            lora_dropout=0.05, norm_impl="fp32", qkv_impl="fused", gpu="a100-40gb", seq=1304, loss="lit-gpt",
-           recompute="none", keep_logits="fp32")
+           recompute="none", keep_logits="fp32", peak_step="first")
 # --quantize bnb.nf4[-dq]: Fabric's BitsandbytesPrecision (lightning/fabric/plugins/precision/bitsandbytes.py)
 # replaces every nn.Linear not in `ignore_modules`, which lit-gpt's finetune/lora.py leaves empty: the LM head
 # (LoRALinear's inner linear) is quantized too, keeps its input (MatMul4Bit) and is dequantized at its matmuls.
@@ -157,15 +160,13 @@ LITGPT += _litgpt_neox_cases("stablelm3b", SLM, (9.69, 6.35, 6.19, 12.10, 16.92)
 # longest sample exceeds 512 tokens under each tokenizer, not checked here. QLoRA: bnb.nf4 (fp32 absmax) through
 # Lightning's BitsandbytesPrecision, which quantizes from fp16 (`_Linear4bit.quantize`) and the LM head too, with
 # bitsandbytes 0.42.0 (the `all` extra) and bnb's PagedAdamW, whose states live in CUDA managed memory outside the
-# allocator's count (memcalc counts the adapters' bf16 moments: 67 MB for Llama-2-7B).
+# allocator's count (memcalc counts the adapters' bf16 moments: 67 MB for Llama-2-7B). The loop shuffles (no
+# longest-first batch): steady state, where the previous micro-batch's graph, kept by the loop's `loss`, holds
+# bitsandbytes' ctx-stored inputs through the next forward (7-12% low before they were counted; docs J).
 HUB = dict(precision="bf16", master_weights=False, optimizer="adamw", lora_rank=32, lora_targets="qv",
            lora_dropout=0.05, qkv_impl="fused", gpu="a100-40gb", seq=512, loss="lit-gpt", recompute="none",
            keep_logits="fp32")
 HUB_Q = dict(HUB, base_dtype="nf4", double_quant=False, quantize_head=True, quant_backend="bnb-fp16")
-HUB_QLORA_MISS = ("the 2024 QLoRA rows are 7-12% above memcalc, about 11-13 bytes x hidden per token per layer on "
-                  "every model (the Oct 2023 table's QLoRA rows, bitsandbytes 0.41.1, are within 0.3%): not "
-                  "attributed; bitsandbytes 0.42's MatMul4Bit and Lightning 2.3's plugin are the changes read, "
-                  "neither shows it (docs/published-finetune.md J)")
 LITGPT_HUB = [
     Case("litgpt-hub-llama2-7b-lora", 19.77, "GB", "allocated",
          dict(HUB, model="llama-2-7b", norm_impl="fp32", micro_batch=2)),
@@ -176,13 +177,13 @@ LITGPT_HUB = [
     Case("litgpt-hub-stablelm3b-lora", 8.58, "GB", "allocated",
          dict(HUB, model="stablelm-base-alpha-3b", micro_batch=1)),
     Case("litgpt-hub-llama2-7b-qlora", 13.68, "GB", "allocated",
-         dict(HUB_Q, model="llama-2-7b", norm_impl="fp32", micro_batch=2), xfail="-10.9%: " + HUB_QLORA_MISS),
+         dict(HUB_Q, model="llama-2-7b", norm_impl="fp32", micro_batch=2)),
     Case("litgpt-hub-llama3-8b-qlora", 17.41, "GB", "allocated",
-         dict(HUB_Q, model="llama-3-8b", norm_impl="fp32", micro_batch=2), xfail="-9.4%: " + HUB_QLORA_MISS),
+         dict(HUB_Q, model="llama-3-8b", norm_impl="fp32", micro_batch=2)),
     Case("litgpt-hub-mistral-7b-qlora", 14.29, "GB", "allocated",
-         dict(HUB_Q, model="mistral-7b", norm_impl="fp32", micro_batch=2), xfail="-11.9%: " + HUB_QLORA_MISS),
+         dict(HUB_Q, model="mistral-7b", norm_impl="fp32", micro_batch=2)),
     Case("litgpt-hub-stablelm3b-qlora", 5.24, "GB", "allocated",
-         dict(HUB_Q, model="stablelm-base-alpha-3b", micro_batch=1), xfail="-7.3%: " + HUB_QLORA_MISS),
+         dict(HUB_Q, model="stablelm-base-alpha-3b", micro_batch=1)),
 ]
 
 # The table's OOM rows on the 40 GB A100 (Llama 2 7B micro-batch 4, 13B micro-batch 2 and 4): memcalc must say they
@@ -300,22 +301,19 @@ def test_litgpt_double_quant_saving(model, no_dq, dq):
     assert abs(predicted - (no_dq - dq)) <= ROUNDING_GB, (predicted, no_dq - dq)
 
 
-_PHI_SLOPE = ("+3.5%: phi-1.5's rows sit ~2% over lit-gpt's table, its mb 2 - mb 1 sequence 0.07 GB over; the harness "
-              "runs the same step within 0.005% (docs/validation.md row 118), so the gap is in lit-gpt's CUDA run, "
-              "not attributed (docs/published-finetune.md I)")
-
-
 @pytest.mark.parametrize("model,mb_a,mb_b,published", [
     ("llama-2-7b", 2, 1, 29.07 - 21.30),
-    pytest.param("phi-1.5", 2, 1, 6.76 - 4.82, marks=pytest.mark.xfail(strict=True, reason=_PHI_SLOPE)),
+    ("phi-1.5", 2, 1, 6.76 - 4.82),
     ("phi-1.5", 4, 2, 10.68 - 6.76),
     ("stablelm-base-alpha-3b", 2, 1, 12.10 - 9.69), ("stablelm-base-alpha-3b", 4, 2, 16.92 - 12.10)])
 def test_litgpt_activation_per_sequence(model, mb_a, mb_b, published):
     """lit-gpt LoRA, one micro-batch size minus another: whole sequences of activations and logits (every
-    micro-batch is padded to the longest sample). Llama-2-7B: measured 7.77 GB, memcalc 7.79 GB (+0.3%; -2.7% before
-    Fabric's fp32 output was counted, -3.2% before the chunked loss's saved log-softmax of every chunk); phi-1.5
-    1.94 / 3.92 GB, memcalc 2.01 (+3.5%, xfail) / 4.02 (+2.4%); StableLM 2.41 / 4.82 GB, memcalc 2.45 / 4.91
-    (+1.8% each). The issue's 3% bar."""
+    micro-batch is padded to the longest sample), at the run's first micro-batch (lit-gpt 2023 trains on the
+    longest sample first: `--peak-step first`, so no logits are kept from an earlier micro-batch). Llama-2-7B:
+    measured 7.77 GB, memcalc 7.74 GB (-0.4%; +0.3% when the previous micro-batch's logits were counted, -2.7%
+    before Fabric's fp32 output was, -3.2% before the chunked loss's saved log-softmax of every chunk); phi-1.5
+    1.94 / 3.92 GB, memcalc 1.95 / 3.91 (+0.7% / -0.3%; were +3.5% / +2.4%); StableLM 2.41 / 4.82 GB, memcalc
+    2.40 / 4.80 (-0.3% each; were +1.8%). The issue's 3% bar."""
     base = dict(LIT if model.startswith("llama") else LIT_NEOX, **(PHI if model == "phi-1.5" else SLM
                                                                    if model.startswith("stablelm") else {}))
     base["model"] = model
@@ -353,11 +351,13 @@ def test_torchtune_lora_rows_read_without_the_adapters_moments():
     """Rows 15-16 (docs/published-finetune.md G): everything memcalc holds at their peak (the first loss chunk's
     gradient) but the adapters' AdamW moments lands within the bar; the moments are 89,915,392 adapter params
     x 2 moments x 2 B (bf16) = 0.335 GiB, the whole of the rows' shared excess but 0.05 GiB. A torch AdamW creates
-    its moments in its first step(), so a first step runs forward and backward without them; which step the
-    README read is not stated."""
+    its moments in its first step(), so a first step runs forward and backward without them (`--peak-step first`,
+    which gives the same figure); which step the README read is not stated."""
     for case, published in (("torchtune-llama3.2-3b-lora-r64", 8.5), ("torchtune-llama3.2-3b-qlora-r64", 4.6)):
         opts = next(c for c in CASES if c.id == case).options
         full = memcalc_bytes("allocated", **opts)
         no_moments = memcalc_bytes("allocated", **dict(opts, optimizer="sgd"))  # sgd without momentum: no state
         assert full - no_moments == 89_915_392 * 2 * 2
         assert 0 < no_moments / GIB / published - 1 <= MEASURED, case  # +0.7% and +1.4%
+        # the run's first micro-batch: nothing kept from an earlier one (this loop keeps no logits), no moments yet
+        assert memcalc_bytes("allocated", **dict(opts, peak_step="first")) == no_moments

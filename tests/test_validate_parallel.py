@@ -92,7 +92,8 @@ def test_bnb_041_dequantizes_through_fp16():
     for backend in ("bnb", "bnb-fp16"):
         rep = validate(run_of(**opts, quant_backend=backend), device="cpu", world="real", steps=1, timeout=240)
         assert abs(rep["error"]) < 1e-4, (backend, rep["error"])
-        peaks[backend] = rep["measured"]["peak_bytes"]
-    # the highest moment is the head's backward: with bnb its dequantized copy and its input gradient (32 x 256
-    # x 2 B), with bnb-fp16 the two copies just before that gradient is allocated
+        peaks[backend] = rep["measured"]["phases"]["backward"]["peak_bytes"]
+    # backward's highest moment is the head's backward: with bnb its dequantized copy and its input gradient (32 x
+    # 256 x 2 B), with bnb-fp16 the two copies just before that gradient is allocated (the step's peak, with bnb, is
+    # the next forward: the previous graph's held inputs, `graph_held_layer_bytes`)
     assert peaks["bnb-fp16"] - peaks["bnb"] == 8192 * 256 * 2 - 32 * 256 * 2

@@ -476,6 +476,9 @@ def _lora_terms(run: Run, out: dict[str, Num], c: int, tok: Num, tok_in: Num, ea
     if qkv_adapted and fused:
         widths = {"q": heads * d, "k": kv * d, "v": kv * d}
         out["lora_qkv_zero_pad"] = c * tok * sum(widths[p] for p in qkv_adapted)
+        # and its index, the adapted columns as int64: made per forward (`torch.tensor(self.lora_ind, ...)`, lit-gpt
+        # 2023) or cached once per layer (`_lora_ind` buffer, litgpt 2024): the same bytes while one is in flight
+        out["lora_qkv_zero_pad_index"] = 8 * sum(widths[p] for p in qkv_adapted)
     # the o projection's input: flash keeps the attention output for its own backward; eager does not
     o_reads = keeps_inputs or ("o" in targets and not dropped)
     if "o" in targets and dropped:
@@ -528,8 +531,22 @@ def first_stage_terms(run: Run) -> dict[str, Num]:
             # no adapter of its own nothing in that branch requires grad, and it saves nothing (lit-gpt's phi and
             # GPT-NeoX blocks; measured by the harness)
             frozen = frozen + sum(v for k, v in terms.items() if k.startswith("mlp_"))
+        frozen = frozen + _bnb_first_layer_unkept(run, terms)
         out["first_layer_frozen_input"] = 0 - frozen
     return out
+
+
+def _bnb_first_layer_unkept(run: Run, terms: dict[str, Num]) -> Num:
+    """LoRA with a bitsandbytes base (`_keeps_inputs`): the first layer's quantized linears that read the frozen
+    embedding through a frozen norm keep no input (MatMul4Bit saves A only `if any(ctx.needs_input_grad[:2])`),
+    so `layer_terms`' qkv input is not saved there unless an undropped adapter reads it (and, in a parallel block
+    without MLP adapters, the MLP's inputs are not either: subtracted with its other terms by the caller).
+    Returns the bytes to take off the first layer's saved set (0 without a bnb base)."""
+    t = run.training
+    if not _keeps_inputs(t):
+        return 0
+    qkv_adapted = any(p in lora_projections(t.lora_targets) for p in ("q", "k", "v"))
+    return 0 if (qkv_adapted and t.lora_dropout == 0) else terms.get("qkv_input", 0)
 
 
 def last_stage_terms(run: Run) -> dict[str, Num]:
@@ -949,6 +966,9 @@ class StageActivations:
     # lit-gpt's logits list, live from the loss to the next forward's head (`loss_kept_bytes`): in every moment
     # but the first forward's, the optimizer step's and the end of backward's included
     loss_kept_bytes: Num = 0
+    # one micro-batch's bitsandbytes-held layer inputs (`graph_held_layer_bytes`), live from its backward to the
+    # end of that backward, or, where the loop holds the graph (`loop_holds_graph`), to the next loss
+    graph_held_bytes: Num = 0
 
     def offloaded_layer_at(self, k: Num) -> Num:
         """Offloading: activations inside the backward of the stage's k-th layer from the last (k = 0 is the first
@@ -1016,6 +1036,49 @@ def _remat_net(mode: str, terms: dict[str, Num], kept: Num) -> Num:
 def _keeps_inputs(t: Any) -> bool:
     """bitsandbytes' quantized linears save their input for backward (see `_lora_terms`)."""
     return t.base_dtype in ("nf4", "int8") and t.quant_backend in ("bnb", "bnb-fp16")
+
+
+def loop_holds_graph(run: Run) -> bool:
+    """The training loop keeps a reference into the step's autograd graph until the next micro-batch's loss
+    replaces it: lit-gpt's loop (`logits = model(...)`, `loss = chunked_cross_entropy(...)`, both plain locals of
+    the loop) and every loop that keeps its logits (`--keep-logits compute|fp32`: nanoGPT's `logits, loss =
+    model(X, Y)`, torchtune 0.1's recipe). Backward frees what autograd saved, but not the graph's nodes, so
+    whatever a custom autograd function stored on its `ctx` stays (`graph_held_layer_bytes`)."""
+    t = run.training
+    return t.loss == "lit-gpt" or t.keep_logits != "none"
+
+
+def graph_held_layer_bytes(run: Run, terms: dict[str, Num]) -> Num:
+    """Bytes of one plain (not checkpointed) layer's saved set that its backward does not free: bitsandbytes'
+    quantized linears keep their input A as a `ctx` attribute (`ctx.tensors = (A, B)`,
+    bitsandbytes/autograd/_functions.py MatMul4Bit and MatMul8bitLt), not through `save_for_backward`, and autograd
+    releases only the latter after a node's backward (`release_variables`); a `ctx` attribute lives as long as the
+    node, i.e. until the graph is dropped: at the end of backward, or, where the loop holds the graph
+    (`loop_holds_graph`), when the next micro-batch's loss replaces it. Checked on torch 2.13: a tensor stored on
+    `ctx` is alive after `loss.backward()` while `loss` is referenced. The tensors: the qkv input, the output
+    projection's input, the MLP's input and the down (or proj) projection's input (`layer_terms`' names, so
+    deduplicated as there: a shared norm's one output, an input also saved by something else). MoE experts: not
+    counted (their inputs' lifetime is the dispatcher's). int8 (MatMul8bitLt): A only, its int8 transposed copy
+    not counted. A checkpointed layer keeps none: its forward runs under no_grad with reentrant checkpointing
+    (transformers' `gradient_checkpointing_enable` and PEFT's default), and the recomputed graph is dropped after
+    the layer's backward. 0 without a bnb-quantized base."""
+    if not _keeps_inputs(run.training) or run.training.lora_rank is None:
+        return 0
+    o_in = terms["attn_output_copy"] if "attn_output_copy" in terms else terms.get("attn_output", 0)
+    held = terms.get("qkv_input", 0) + o_in
+    if run.model.moe is None:
+        held = held + terms.get("mlp_input", 0) + terms.get("mlp_act_output", 0)
+    return held
+
+
+def _graph_held_first_layer_fix(run: Run, terms: dict[str, Num]) -> Num:
+    """What the first layer of a LoRA run does not hold on `ctx` of `graph_held_layer_bytes`' per-layer figure:
+    its quantized linears that read the frozen embedding keep nothing (`_bnb_first_layer_unkept`), and a parallel
+    block's MLP without adapters reads it through a frozen norm, so nothing in that branch needs a gradient."""
+    fix = _bnb_first_layer_unkept(run, terms)
+    if run.model.block != "sequential" and not (_mlp_in_adapted(run) or _down_adapted(run)):
+        fix = fix + terms.get("mlp_input", 0) + terms.get("mlp_act_output", 0)
+    return fix
 
 
 def _lora_input_unsaved(run: Run, adapted: bool) -> bool:
@@ -1099,6 +1162,21 @@ def _dequant_cast(run: Run, dq: Num, out: Num) -> Num:
         return 0
     fp16 = dq // DTYPE_BYTES[run.recipe.compute_dtype] * 2
     return imax(fp16 - out, 0)
+
+
+def _stream_unsaved(run: Run) -> Num:
+    """The residual-stream tensors of a plain layer that are live at its down projection (and at the residual add
+    after it) while nothing saves them: the layer's input (the caller's reference, as in lit-gpt's and HF's layer
+    loops) and, in a sequential block, the attention half's sum (the MLP's residual operand). An eager fp32 RMSNorm
+    (`--norm-impl fp32`) saves an fp32 copy of its input, not the stream tensor itself, when the stream is narrower
+    than fp32; fused norms save the stream tensor (0 here). Measured by the harness (docs/validation.md, the
+    held-graph QLoRA row, whose peak is this moment)."""
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
+    stream = _stream_bytes(run, c)
+    if run.training.norm_impl != "fp32" or run.model.norm != "rmsnorm" or stream == 4:
+        return 0
+    n = 2 if run.model.block == "sequential" else 1
+    return n * stream * _shape(run)[2] * run.model.hidden
 
 
 def _down_matmul_extra(run: Run, mode: str, plain_layers: Num) -> Num:
@@ -1545,7 +1623,10 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         core_pair = where(ck >= 1, kept_bytes + where(ck >= 2, kept_bytes, 0), w_last + w_prev) - w_last
     # lit-gpt's loop keeps its logits list through backward, the optimizer step and the next forward
     kept = where(last, loss_kept_bytes(run), 0)
-    head_freed = last_saved - kept  # what the loss and LM head hand back before the layers' backward
+    # a bitsandbytes-quantized LM head keeps its input on `ctx` (`graph_held_layer_bytes`), which its backward keeps
+    bnb_held = _keeps_inputs(tr) and tr.lora_rank is not None and not off
+    head_held = where(last, last_stage_terms(run)["output_layer_input"], 0) if bnb_held and tr.quantize_head else 0
+    head_freed = last_saved - kept - head_held  # what the loss and LM head hand back before the layers' backward
     core_tr = where(core_tr > 0, core_tr + core_pair - head_freed, 0)
     if tr.loss not in ("full", "fused") and _head_trains(run):
         head_bwd_tr = imax(head_bwd_tr, where(last, _chunked_head_wgrad_transient(run), 0))
@@ -1562,10 +1643,11 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # quantized down projection's matmul just before: its output and dequantized weight, and, when the layer is
     # checkpointed, its input (not saved in the no-grad forward)
     down_out = c * tok_all * m.hidden
-    layer_out = imax(down_out, megatron_moe_forward_transient(run)) + where(last, s_h, 0)
+    unsaved = where(plain_layers >= 1, _stream_unsaved(run), 0)
+    layer_out = imax(down_out, megatron_moe_forward_transient(run)) + where(last, s_h, 0) + unsaved
     if _dequantizes(tr) and tr.base_dtype == "nf4":
         dq_down = dq_fwd + _dequant_cast(run, dq_fwd, down_out)
-        layer_out = imax(layer_out, down_out + dq_down + _down_matmul_extra(run, mode, plain_layers))
+        layer_out = imax(layer_out, down_out + dq_down + _down_matmul_extra(run, mode, plain_layers) + unsaved)
     if off:
         detail["layers_offloaded_to_host"] = -host
         detail["offload_resident_layers"] = w_last + w_prev
@@ -1581,12 +1663,13 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # offloading: the k-th layer backward (`StageActivations.offloaded_layer_at`) holds that layer's set and the
     # previous layer's, plain or checkpointed; the first (k = 0) is `backward_layer_bytes`
     # the layers' moments: everything held but what the loss and LM head free
-    base = held - head_freed
+    base = held - head_freed - head_held  # (forward: the head has not run)
+    base_bwd = base + head_held
     parts = (base, plain_layers, unit_layers, plain_bytes, kept_bytes, layer_tr, at_layer)
-    layer_bwd = _offloaded_layer_at(parts, 0) if off else base + at_layer
+    layer_bwd = _offloaded_layer_at(parts, 0) if off else base_bwd + at_layer
     attn = attention_backward(run, plain)
     modelled = not off and not (isinstance(attn, int) and attn == _NEVER)
-    attn_bwd = base + _layer_moment(mode, _residual_grad_bytes(run) + attn, remat) if modelled else _NEVER
+    attn_bwd = base_bwd + _layer_moment(mode, _residual_grad_bytes(run) + attn, remat) if modelled else _NEVER
     if mode == "selective" and not off and run.training.attention == "eager":
         # the core comes back (its saved set, `plain`'s core terms) after the layer's MLP backward, and its backward
         # then runs as a plain layer's would (relative to the plain saved set); a plain last layer
@@ -1601,7 +1684,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             copies = (plain["q"] + (0 if gqa else plain["k"]) if _qk_copied(run) else 0) + (
                 plain["k"] + plain["v"] if gqa else 0)
             back = sum(plain.get(k, 0) for k in _CORE) + copies + plain["attn_output"]
-            attn_bwd = where(plain_layers >= 1, attn_bwd, base + _residual_grad_bytes(run) + back + rec)
+            attn_bwd = where(plain_layers >= 1, attn_bwd, base_bwd + _residual_grad_bytes(run) + back + rec)
     # eager attention's core in the last layer's forward: a plain layer, unless all of the unit's are checkpointed
     attn_fwd = _NEVER
     if not off:
@@ -1610,6 +1693,20 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             core_fwd = where(plain_layers >= 1, core_fwd, eager_attention_forward(run, ck_terms, mode))
         attn_fwd = base - one_layer + w_prev + core_fwd
     pair = w_last + w_prev
+    # bitsandbytes' quantized linears keep their inputs on `ctx` until the graph is dropped
+    # (`graph_held_layer_bytes`): a layer's backward frees the rest of its set, and one micro-batch's held inputs
+    # are live at the end of backward and, where the loop holds the graph, at the optimizer step and through the
+    # next micro-batch's forward and loss. Not with offloading (not modelled).
+    graph_held, layer_held = 0, 0
+    if bnb_held:
+        # a selectively recomputed layer runs its linears outside the checkpoint; a fully checkpointed one keeps none
+        unit_held = graph_held_layer_bytes(run, plain) * plain_layers + (
+            graph_held_layer_bytes(run, ck_terms) * ck if mode == "selective" else 0)
+        layer_held = unit_held // imax(unit_layers, 1)
+        first_kept = (ck == 0) | (mode == "selective")  # the stage's first layer is not fully checkpointed
+        # and the quantized LM head's input, the final norm's output (lit-gpt's head chunks are views of it)
+        graph_held = unit_held - where(first & first_kept, _graph_held_first_layer_fix(run, plain), 0) + head_held
+    detail["graph_held_inputs_transient"] = graph_held
     return StageActivations(
         held_bytes=held + w_last,
         forward_bytes=held + w_last + fwd_tr,
@@ -1622,10 +1719,11 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         forward_layer_bytes=base - one_layer + w_prev,
         forward_attention_bytes=attn_fwd,
         forward_layer_end_bytes=base + pair + layer_out,
-        backward_post_bytes=base - one_layer + w_prev + _residual_grad_bytes(run),
+        backward_post_bytes=base_bwd - one_layer + w_prev + _residual_grad_bytes(run),
         loss_kept_bytes=kept,
+        graph_held_bytes=graph_held,
         layers=unit_layers,
-        layer_freed_bytes=one_layer,
+        layer_freed_bytes=one_layer - layer_held,
         host_bytes=host,
         offload_parts=parts if off else None,
         in_flight=units,

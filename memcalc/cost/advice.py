@@ -43,8 +43,9 @@ def _candidates(run: Run) -> Iterator[Change]:
                lambda r: r.replace(training=r.training.model_copy(update={"keep_logits": "none"})))
         drop = ""
     elif drop:
-        # the loop's `logits` reference, deleted before backward (`del logits`, as torchtune's recipes now do)
-        yield ("the loop drops its logits before backward (del logits)", drop.strip(),
+        # the loop's `logits` reference, deleted before backward (`del logits`, as torchtune's recipes now do), and
+        # no `loss` kept past backward (a bitsandbytes graph's held inputs go with it: `graph_held_layer_bytes`)
+        yield ("the loop drops its logits before backward and its loss after (del logits, loss)", drop.strip(),
                lambda r: r.replace(training=r.training.model_copy(update={"keep_logits": "none"})))
     if t.loss in ("full", "chunked-eager"):
         # a compiled chunked cross-entropy (torchtune CEWithChunkedOutputLoss + compile) keeps the compute-dtype

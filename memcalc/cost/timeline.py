@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcalc.cost.activations import stage_activations
+from memcalc.cost.activations import loop_holds_graph, stage_activations
 from memcalc.cost.buffers import (
     amp_casts_freed_at_attention,
     fsdp_backward_release_bytes,
@@ -217,9 +217,13 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
 
     params, master, opt = s.params, s.master_weights, s.optimizer
     zero = 0 * grads
+    first_step = run.training.peak_step == "first"
+    # the run's first micro-batch: torch.optim creates its states in its first step() (DeepSpeed's ZeRO optimizers
+    # and Megatron's allocate or load theirs before training: kept)
+    opt_fb = 0 * opt if first_step and run.profile == "torch" else opt
 
-    def moment(g: Num, a: Num, b: Num) -> dict[str, Num]:
-        return {"params": params, "master_weights": master, "grads": g, "optimizer": opt, "activations": a,
+    def moment(g: Num, a: Num, b: Num, o: Num = opt_fb) -> dict[str, Num]:
+        return {"params": params, "master_weights": master, "grads": g, "optimizer": o, "activations": a,
                 "buffers": b}
 
     fwd_grads = grads if s.grads_persistent else zero
@@ -232,12 +236,20 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # LM head matmul (FSDP2 still holds the last unit's all-gather output there)
     # Every such forward holds as many activations as the last one before the first backward, so each moment is
     # taken with the gradients of the latest forward (at least the first one's).
+    # a loop that holds the previous micro-batch's graph until this one's loss (`loop_holds_graph`) holds the
+    # bitsandbytes inputs stored on its nodes (`graph_held_bytes`) through this forward and the optimizer step
+    # The run's first micro-batch (`--peak-step first`) has no previous one: neither its graph nor the logits the
+    # loop keeps from it (`loss_kept_bytes`, in every forward moment before the loss replaces them)
+    prev = act.graph_held_bytes if loop_holds_graph(run) else 0
+    old_logits = 0
+    if first_step:
+        prev, old_logits = 0, act.loss_kept_bytes
     fwd = [
-        moment(later_fwd_g, act.forward_bytes, buf("forward")),
-        moment(later_fwd_g, act.forward_head_bytes, buf("forward_head")),
-        moment(later_fwd_g, act.forward_layer_bytes, buf("forward_layer")),
-        moment(later_fwd_g, act.forward_attention_bytes, buf("forward_layer")),
-        moment(later_fwd_g, act.forward_layer_end_bytes, buf("forward_layer_end")),
+        moment(later_fwd_g, act.forward_bytes + prev, buf("forward")),
+        moment(later_fwd_g, act.forward_head_bytes + prev - old_logits, buf("forward_head")),
+        moment(later_fwd_g, act.forward_layer_bytes + prev - old_logits, buf("forward_layer")),
+        moment(later_fwd_g, act.forward_attention_bytes + prev - old_logits, buf("forward_layer")),
+        moment(later_fwd_g, act.forward_layer_end_bytes + prev - old_logits, buf("forward_layer_end")),
     ]
     # backward: the loss gradient (start of the first backward), the first layer's backward (loss terms freed,
     # the layer's gradient transients and the first weight gradients live), the start of a later backward
@@ -297,9 +309,9 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
           for k in (_switch_layers(act) if offloaded else ())],
         later_loss,
         if_later(moment(later_g, act.backward_later_layer_bytes, buf("backward_layer"))),
-        moment(grads, act.loss_kept_bytes, buf("backward_end")),
+        moment(grads, act.loss_kept_bytes + act.graph_held_bytes, buf("backward_end")),
     ]
-    return fwd, bwd, moment(grads, act.loss_kept_bytes, buf("optimizer")), (first_loss, later_loss)
+    return fwd, bwd, moment(grads, act.loss_kept_bytes + prev, buf("optimizer"), opt), (first_loss, later_loss)
 
 
 def _switch_layers(act: Any) -> tuple[Num, ...]:

@@ -43,6 +43,12 @@ def validate(run: Run, *, device: str = "auto", world: str = "real", steps: int 
     stage = mesh_coords(run, rank)["pp"]
     est = estimate(run, stage=stage, advice=False)
     warmup = max(warmup, 2)  # DDP rebuilds its buckets at the second step
+    if run.training.peak_step == "first":
+        # the run's first micro-batch and first optimizer step: measured from the start, nothing before it
+        if int(run.grad_accum) > 1:
+            raise InputError(f"--peak-step first is validated with one micro-batch per step (got --grad-accum "
+                             f"{run.grad_accum}): the harness's later micro-batches are as long as the first")
+        warmup, steps = 0, 1
     t0 = time.perf_counter()
     from memcalc.validate.runner import launched_by_torchrun, run_torchrun_rank
 

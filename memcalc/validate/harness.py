@@ -124,7 +124,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
              fake_world: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from memcalc.cost.activations import LITGPT_CHUNK_TOKENS, LOSS_CHUNKS
+    from memcalc.cost.activations import LITGPT_CHUNK_TOKENS, LOSS_CHUNKS, loop_holds_graph
     from memcalc.validate.model import GPT, RMSNorm, cast_params, chunked_loss_fn, loss_fn
     from memcalc.validate.parallelize import (
         apply_fsdp,
@@ -328,6 +328,8 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
 
         start_mark = 0
         grad_keys: set[int] = set()
+        holds_graph = loop_holds_graph(run)
+        held_loss: Any = None
         for step in range(warmup + steps):
             measuring = step >= warmup
             pre = "" if measuring else "w-"
@@ -369,6 +371,8 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                                 loss = loss_fn(out, targets[mb]) / ga
                             else:
                                 loss = chunked_loss_fn(out, targets[mb], t.loss, tracker.paused) / ga
+                            # and its `loss = ...` the previous loss, and with it the previous graph
+                            held_loss = None
                             if t.loss == "lit-gpt" or t.keep_logits != "none":
                                 kept_logits = out  # referenced by the loop through backward and the step
                             del out  # torchtune's recipes `del logits` before backward
@@ -377,6 +381,8 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                         cuda_mark("backward", True)
                         with loss_ctx():
                             loss.backward()
+                        if holds_graph:
+                            held_loss = loss  # the loop's `loss`: alive until the next one replaces it
                         del loss
                         cuda_mark("backward", False)
             if measuring:
