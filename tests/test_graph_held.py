@@ -41,7 +41,8 @@ def test_nothing_held_without_bnb_or_under_full_recompute():
 def test_peak_step_first_never_raises_the_peak():
     """The first micro-batch holds nothing of an earlier one and, with torch.optim, no optimizer state: its peak is
     never above the steady state's (QLoRA and LoRA lit-gpt loops, a full fine-tune with Adam)."""
-    for opts in (QLORA, TOY, dict(model="llama-2-7b", seq=1024), dict(QLORA, model="llama-2-7b", seq=512)):
+    for opts in (QLORA, TOY, dict(model="llama-2-7b", seq=1024), dict(QLORA, model="llama-2-7b", seq=512),
+                 dict(model="llama-2-7b", seq=1024, grad_accum=4), dict(QLORA, grad_accum=4)):
         steady = estimate(run_of(**opts)).memory.allocated_peak_bytes
         first = estimate(run_of(**dict(opts, peak_step="first"))).memory.allocated_peak_bytes
         assert first <= steady, opts

@@ -231,7 +231,9 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # earlier backwards' gradients live: there is one when the stage runs more forwards (micro-batches, or model
     # chunks when interleaved) than it holds at its first backward (GPipe: none)
     forwards = run.grad_accum * (run.vpp if run.schedule == "interleaved" else 1)
-    later_fwd_g = where(forwards > act.in_flight, grads, fwd_grads)
+    # (`--peak-step first`: the first micro-batch, whose forward follows no backward; the step's later micro-batches
+    # are taken as no longer than it, so their moments are not candidates)
+    later_fwd_g = fwd_grads if first_step else where(forwards > act.in_flight, grads, fwd_grads)
     # forward: the loss (every saved activation + the logits and their fp32 upcast) or, just before it, the
     # LM head matmul (FSDP2 still holds the last unit's all-gather output there)
     # Every such forward holds as many activations as the last one before the first backward, so each moment is
@@ -277,7 +279,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     first_loss = moment(first_g, act.backward_first_bytes, buf("backward"))
     # a later micro-batch's backward exists only with several micro-batches per step (grad-accum, or the
     # pipeline's micro-batches); with one, its moments would pair all gradients with a layer's working set
-    later = run.grad_accum > 1
+    later = (run.grad_accum > 1) & (not first_step)
 
     def if_later(m: dict[str, Num]) -> dict[str, Num]:
         return {k: where(later, v, 0 * v) for k, v in m.items()}

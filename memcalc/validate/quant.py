@@ -8,9 +8,9 @@
 - what autograd keeps: bitsandbytes keeps the input when it needs a gradient (`ctx.tensors = (A, B)`), torchao
   none (`--quant-backend`). bitsandbytes stores it as a `ctx` attribute, not with `save_for_backward`, so backward
   does not free it: it lives until the graph is dropped (memcalc/cost/activations.py `graph_held_layer_bytes`),
-  and so it does here. Inside a checkpointed block it is saved through `save_for_backward` instead, which the
-  checkpoint drops: that is reentrant checkpointing's outcome (its forward runs under no_grad, so MatMul4Bit keeps
-  nothing), the form transformers and PEFT use with bitsandbytes.
+  and so it does here. Inside a checkpointed block (full or op-level) it is saved through `save_for_backward`
+  instead, which the checkpoint drops: that is reentrant checkpointing's outcome (its forward runs under no_grad,
+  so MatMul4Bit keeps nothing), the form transformers and PEFT use with bitsandbytes.
 
 The dequantization itself runs with the tracker paused and writes into the one tracked output: a fused kernel
 allocates nothing else that a GPU run would see of this size (bitsandbytes' double-quant path allocates an fp32
@@ -47,7 +47,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.compute_dtype, self.backend, self.double_quant = compute_dtype, backend, double_quant
         self.untracked: Callable[[], Any] = contextlib.nullcontext  # the harness sets its tracker's pause
-        self.checkpointed = False  # inside a fully checkpointed block (see the module's docstring)
+        self.checkpointed = False  # inside a checkpointed block (see the module's docstring)
         w = base.weight.detach().float().reshape(-1)
         n = w.numel()
         pad = -n % BLOCK
@@ -126,17 +126,17 @@ def quantize_base(model: nn.Module, compute_dtype: torch.dtype, double_quant: bo
                   head: bool) -> list[QuantLinear]:
     """Replace every frozen linear of the blocks (and the LM head's with `head`) by a QuantLinear;
     adapters (trainable) stay as they are. Returns the new modules."""
-    from memcalc.validate.model import Checkpointed, OpCheckpointed
+    from memcalc.validate.model import Checkpointed  # full and op-level (its subclass) recompute
 
     made: list[QuantLinear] = []
     roots: list[nn.Module] = list(model.layers.values()) + ([model.head] if head else [])
     for root in roots:
-        full = isinstance(root, Checkpointed) and not isinstance(root, OpCheckpointed)
+        checkpointed = isinstance(root, Checkpointed)
         for parent in list(root.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and not child.weight.requires_grad:
                     q = QuantLinear(child, compute_dtype, double_quant, backend)
-                    q.checkpointed = full
+                    q.checkpointed = checkpointed
                     setattr(parent, name, q)
                     made.append(q)
     return made
