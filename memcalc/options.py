@@ -399,8 +399,8 @@ def build_run(o: RunOptions) -> Run:
         o = apply_imports(o)  # explicit = every field that differs from its default
     profile = check_choice("profile", o.profile)
     for field in ("precision", "grad_dtype", "optimizer", "recompute", "attention", "loss", "keep_logits", "peak_step",
-                  "offload", "schedule", "lora_targets", "base_dtype", "dp_mode", "cp_comm", "quant_backend", "norm_impl",
-                  "qkv_impl", "gqa_impl", "optimizer_impl"):
+                  "offload", "schedule", "lora_targets", "base_dtype", "dp_mode", "cp_comm", "quant_backend",
+                  "norm_impl", "qkv_impl", "gqa_impl", "optimizer_impl"):
         setattr(o, field, check_choice(field, getattr(o, field)))
     for flag, v in (("--gpus", o.gpus), ("--dp", o.dp), ("--tp", o.tp), ("--pp", o.pp), ("--vpp", o.vpp),
                     ("--cp", o.cp), ("--ep", o.ep), ("--seq", o.seq), ("--micro-batch", o.micro_batch),

@@ -1072,9 +1072,9 @@ def graph_held_layer_bytes(run: Run, terms: dict[str, Num]) -> Num:
 
 
 def _graph_held_first_layer_fix(run: Run, terms: dict[str, Num]) -> Num:
-    """What the first layer of a LoRA run does not hold on `ctx` of `graph_held_layer_bytes`' per-layer figure:
-    its quantized linears that read the frozen embedding keep nothing (`_bnb_first_layer_unkept`), and a parallel
-    block's MLP without adapters reads it through a frozen norm, so nothing in that branch needs a gradient."""
+    """The part of `graph_held_layer_bytes`' per-layer figure that a LoRA run's first layer does not hold: its
+    quantized linears that read the frozen embedding store nothing (`_bnb_first_layer_unkept`), nor does a
+    parallel block's MLP without adapters, which reads it through a frozen norm."""
     fix = _bnb_first_layer_unkept(run, terms)
     if run.model.block != "sequential" and not (_mlp_in_adapted(run) or _down_adapted(run)):
         fix = fix + terms.get("mlp_input", 0) + terms.get("mlp_act_output", 0)
