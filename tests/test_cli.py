@@ -257,3 +257,15 @@ def test_block_flag_errors_are_one_line():
     assert code == 2 and "--block parallel with --profile megatron" in err and len(err.strip().splitlines()) == 1
     code, out, err = cli("estimate", "--model", "phi-1.5", "--tied-embeddings")
     assert code == 2 and "--head-bias with --tied-embeddings" in err and len(err.strip().splitlines()) == 1
+
+
+def test_table_says_the_offload_step_time_is_a_bound():
+    """The CPU optimizer step of --offload is not in the time model; the table says so under the compute line, and
+    says nothing of it without offload."""
+    args = ("estimate", "--model", "llama-3-70b", "--gpus", "64", "--zero", "3", "--recompute", "full")
+    code, out, err = cli(*args, "--offload", "optimizer")
+    assert code == 0, err
+    assert "CPU optimizer step's own time is not modelled" in " ".join(out.split())
+    code, out, err = cli(*args)
+    assert code == 0, err
+    assert "CPU optimizer step" not in out

@@ -344,6 +344,22 @@ def test_cli_table():
     assert "Nothing fits" in out and "Closest" in out
 
 
+def test_cli_table_marks_offload_rows_as_bounds():
+    """Offload's CPU optimizer step is not in the time model: rows with off-opt / off-par carry the mark on step s,
+    tok/s and MFU and the table says why; a plan searched without offload shows neither."""
+    from memcalc.plan.render import OFFLOAD_MARK, OFFLOAD_NOTE
+
+    base = ("plan", "--model", "llama-3-70b", "--gpus", "64", "--global-batch", "256", "--top", "3")
+    code, out, err = cli(*base, "--offload", "optimizer", "--recompute", "none")
+    assert code == 0, err
+    rows = [ln for ln in out.splitlines() if "off-opt" in ln and not ln.startswith(OFFLOAD_MARK)]
+    assert rows and all(ln.count(OFFLOAD_MARK) == 3 for ln in rows)
+    assert " ".join(OFFLOAD_NOTE.split()[:6]) in " ".join(out.split())
+    code, out, err = cli(*base, "--offload", "none")
+    assert code == 0, err
+    assert OFFLOAD_MARK not in out and "off-" not in out
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--tp", "0"], "--tp"),
     (["--tp", "two"], "--tp"),

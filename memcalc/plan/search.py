@@ -358,7 +358,7 @@ _OFFLOAD_RANK = {"none": 0, "optimizer": 1, "params": 2}
 
 def ranked(res: SearchResult) -> np.ndarray:
     """Indices into res.feasible, best first by the objective. Ties in throughput go first to no offload (the
-    host-device copies of offload are not in the time model, memcalc/cost/comm.py), then to the lower peak."""
+    CPU optimizer step of offload is not in the time model, memcalc/cost/comm.py), then to the lower peak."""
     f, s = res.feasible, res.space
     if f.size == 0:
         return np.zeros(0, dtype=np.int64)

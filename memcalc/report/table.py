@@ -210,6 +210,9 @@ def _render_comm_compute(est: Estimate, con: Console, units: str) -> None:
                        f"(compute {comp.compute_seconds:,.2f} s, bubble {comp.bubble_seconds:,.2f} s, exposed comm "
                        f"{comp.exposed_comm_seconds:,.2f} s) · {comp.tokens_per_second:,.0f} tokens/s · MFU "
                        f"{comp.mfu:.1%} (assumed kernel efficiency {comp.assumed_mfu:.0%})", style="dim"))
+        if est.inputs["parallel"]["offload"] != "none":
+            con.print(Text("offload: the CPU optimizer step's own time is not modelled (the host copies are): the "
+                           "step time is a lower bound", style="yellow"))
     else:
         con.print(Text("compute: not modelled yet", style="yellow"))
 
