@@ -253,16 +253,19 @@ def mlp_width(m: ModelSpec) -> int:
 # --- fine-tuning: LoRA adapters, frozen and quantized base weights (issue 7) ---------------------------------
 
 
-def lora_layer_params(m: ModelSpec, targets: str, rank: int, tp: Num = 1) -> Num:
+def lora_layer_params(m: ModelSpec, targets: str, rank: int, tp: Num = 1, only: tuple[str, ...] | None = None) -> Num:
     """Trainable LoRA parameters of one layer on one TP rank (Hu et al. 2021, sec. 4: W + B A with A (r x in),
     B (out x r)). With TP the adapter follows its base matrix: for column-parallel q/k/v/gate/up, A is replicated
-    and B split by t; for row-parallel o/down, A is split by t and B replicated (NeMo / Megatron-core LoRA)."""
+    and B split by t; for row-parallel o/down, A is split by t and B replicated (NeMo / Megatron-core LoRA).
+    `only`: count the adapters of these projections alone."""
     h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
     # (in features, out features, row-parallel) of each projection
     shapes = {"q": (h, a * d, False), "k": (h, g * d, False), "v": (h, g * d, False), "o": (a * d, h, True),
               "gate": (h, m.ffn, False), "up": (h, m.ffn, False), "down": (m.ffn, h, True)}
     total = 0
     for p in lora_projections(targets):
+        if only is not None and p not in only:
+            continue
         if p == "gate" and m.mlp != "swiglu":
             continue  # a GELU MLP has fc ("up") and proj ("down") only
         n_in, n_out, row = shapes[p]
@@ -377,6 +380,21 @@ def after_core_layer_elems(run: Run) -> tuple[Num, Num]:
         return mats, norm
     full = shape_params(m)
     return muldiv(mats, m.params_override, full), muldiv(norm, m.params_override, full)
+
+
+def lora_first_grad_elems(run: Run) -> tuple[Num, Num]:
+    """LoRA's counterpart of (`first_backward_grad_elems`' down, `first_attention_grad_elems`), per TP rank: the
+    adapter weights whose gradients a stage's first layer backward has made at its MLP's moment (the down (or
+    proj) projection's adapter: autograd runs the adapter's branch before the frozen base's input gradient,
+    `activations.layer_backward_transient`) and at its attention core's (the output projection's and the MLP's
+    adapters). The base, embedding and head are frozen. MoE models take attention targets only. Measured by the
+    harness (docs/validation.md, the QLoRA DDP row: the down adapter's 2 x 4 x (1024 + 256) B at its peak)."""
+    t, m = run.training, run.model
+    if t.lora_rank is None:
+        return 0, 0
+    mlp = () if m.moe is not None else ("gate", "up", "down")
+    down = lora_layer_params(m, t.lora_targets, t.lora_rank, run.tp, only=mlp[-1:])
+    return down, lora_layer_params(m, t.lora_targets, t.lora_rank, run.tp, only=("o",) + mlp)
 
 
 def first_attention_grad_elems(run: Run, stage: Num) -> Num:

@@ -32,7 +32,13 @@ from memcalc.cost.buffers import (
     side_stream_pools,
     stage_buffers,
 )
-from memcalc.cost.params import first_attention_grad_elems, first_backward_grad_elems, layer_params, stage_params
+from memcalc.cost.params import (
+    first_attention_grad_elems,
+    first_backward_grad_elems,
+    layer_params,
+    lora_first_grad_elems,
+    stage_params,
+)
 from memcalc.cost.states import ModelStates, model_states
 from memcalc.specs import DTYPE_BYTES, Run
 from memcalc.xp import imax, imin, muldiv, where
@@ -103,11 +109,11 @@ def _highest(*moments: dict[str, Num]) -> dict[str, Num]:
 
 
 def _first_grad_bytes(run: Run) -> Num:
-    """Bytes per parameter of the gradients a first backward allocates where gradients are not persistent: none for
-    frozen weights (LoRA, --freeze); under FSDP2 they are unsharded gradients, a buffer until their reduce-scatter
-    (buffers.py), not a gradient state."""
+    """Bytes per parameter of the gradients a first backward allocates where gradients are not persistent (none
+    with --freeze, whose first backward's weights may all be frozen); under FSDP2 they are unsharded gradients, a
+    buffer until their reduce-scatter (buffers.py), not a gradient state."""
     t = run.training
-    if t.lora_rank is not None or t.freeze:
+    if t.freeze:
         return 0
     fsdp = 1 if (run.profile == "torch" and run.zero >= 2) else 0
     return DTYPE_BYTES[run.recipe.grad_dtype] * where(run.shard_degree > 1, 1 - fsdp, 1)
@@ -117,6 +123,9 @@ def _first_grads(run: Run, stage: Num) -> tuple[Num, Num]:
     """Gradient bytes allocated when the first layer's backward reaches its highest moment (the MLP's:
     params.first_backward_grad_elems) and its attention core's (params.first_attention_grad_elems)."""
     gb = _first_grad_bytes(run)
+    if run.training.lora_rank is not None:  # the frozen base makes none: the adapters' (params.lora_first_grad_elems)
+        down, after_core = lora_first_grad_elems(run)
+        return gb * down, gb * after_core
     head, down = first_backward_grad_elems(run, stage)
     return gb * (head + down), gb * first_attention_grad_elems(run, stage)
 

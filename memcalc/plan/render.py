@@ -74,7 +74,9 @@ def render_plan(result: dict[str, Any], units: str = "GiB", console: Console | N
     inp, s = result["inputs"], result["search"]
     model = inp["model"].get("display_name") or inp["model"]["name"]
     hw = inp["hardware"].get("display_name") or inp["hardware"]["name"]
-    c.print(f"[bold]memcalc plan[/bold]: {model} on {'up to ' if inp['objective'] == 'gpus' else ''}{inp['gpus']} x {hw} ({_b(s['capacity_bytes'], units)} {units}), "
+    up_to = "up to " if inp["objective"] == "gpus" else ""
+    cap = _b(s["capacity_bytes"], units)
+    c.print(f"[bold]memcalc plan[/bold]: {model} on {up_to}{inp['gpus']} x {hw} ({cap} {units}), "
             f"global batch {inp['training']['global_batch']} x seq {inp['training']['seq']}, profile "
             f"{inp['profile']}, objective {inp['objective']}"
             + (f", keeping {inp['min_headroom']:.0%} free" if inp["min_headroom"] else ""))

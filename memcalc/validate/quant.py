@@ -118,8 +118,16 @@ class _QuantMatmul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
         if not ctx.needs_input_grad[0]:
             return None, None
+        # bitsandbytes reads A back (`A, B = ctx.tensors`) and holds it through this backward. Checkpointed, as
+        # under reentrant checkpointing (the transformers/PEFT default that memcalc assumes,
+        # `graph_held_layer_bytes`): the layer is re-run before any of its backward and A is alive here. The
+        # non-reentrant checkpoint used by the harness re-runs the layer at the first unpack and hands the
+        # re-made tensor over, so unpacking x now and keeping it until the return gives the same moments.
+        held = ctx.saved_tensors if ctx.q.checkpointed else getattr(ctx, "tensors", ())
         w = ctx.q.dequantize()
-        return grad.matmul(w.to(grad.dtype)), None
+        out = grad.matmul(w.to(grad.dtype))
+        del w, held
+        return out, None
 
 
 def quantize_base(model: nn.Module, compute_dtype: torch.dtype, double_quant: bool, backend: str,
