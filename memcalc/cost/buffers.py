@@ -264,6 +264,20 @@ def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
     return Buffer(cb * elems, phases, "autocast low-precision copies of the weights")
 
 
+def _amp_head_cast_saved(run: Run, stage: Num) -> Buffer:
+    """Under full (or op-level) recompute the layers' autocast copies are dropped when the autocast region exits
+    (`_amp_casts`), but the LM head is not checkpointed: its matmul saved its low-precision weight (and bias) for
+    the input gradient, which is live at the loss gradient until the head's backward. Last stage only; none for
+    LoRA (its head is frozen in the compute dtype). Measured by the harness (docs/validation.md, the DDP op-level
+    SAC row: one `c*V*h` copy at its loss-gradient peak)."""
+    t = run.training
+    if t.recompute not in ("full", "op") or t.lora_rank is not None:
+        return Buffer(0, frozenset({"backward"}), "")
+    head = where(stage == run.pp - 1, _scaled(run, head_params(run.model, run.profile, run.tp)), 0)
+    return Buffer(DTYPE_BYTES[run.recipe.compute_dtype] * head, frozenset({"backward"}),
+                  "the LM head's autocast weight copy, saved by its matmul until its backward (recompute)")
+
+
 def amp_casts_freed_at_attention(run: Run) -> Num:
     """Of `_amp_casts`' saved copies, those of the first layer's output projection and MLP (router, experts), which
     their backward frees before the attention core's (`activations.attention_backward`); 0 where the copies are
@@ -371,6 +385,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
             )
         if r.compute_copy:
             out["amp_weight_casts"] = _amp_casts(run, stage, n_train)
+            out["amp_head_cast_saved"] = _amp_head_cast_saved(run, stage)
         return out
     # FSDP2 fully_shard. _fsdp_collectives.py: foreach_all_gather allocates the unit's flat all-gather output
     # (param_dtype), copy-out fills the unsharded parameters; the next unit's all-gather is issued while the current
@@ -461,6 +476,8 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     if r.compute_copy:
         casts = _amp_casts(run, stage, n_train)
         out["amp_weight_casts"] = Buffer(where(sharded, 0, casts.bytes), casts.phases, casts.note + " (no FSDP)")
+        head = _amp_head_cast_saved(run, stage)
+        out["amp_head_cast_saved"] = Buffer(where(sharded, 0, head.bytes), head.phases, head.note)
     return out
 
 
