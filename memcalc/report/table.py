@@ -53,7 +53,7 @@ def _component_notes(est: Estimate, run: Run) -> dict[str, str]:
     if t.lora_rank is not None or t.freeze:
         lora = t.lora_rank is not None
         what = f"LoRA r={t.lora_rank} on {t.lora_targets}" if lora else "frozen " + ",".join(t.freeze)
-        base = t.base_dtype or (r.compute_dtype if t.lora_rank is not None else r.param_dtype)
+        base = t.base_dtype or (r.compute_dtype if lora else r.param_dtype)
         base = f"{base}, LM head too" if t.quantize_head else base
         notes["params"] = (f"{what}: {det['trainable_params']:,} trainable; frozen base in {base} "
                            f"({det['frozen_params_bytes'] / UNIT_BYTES['GiB']:.2f} GiB)")
