@@ -558,9 +558,10 @@ def test_activation_offloading_keeps_two_layers_on_the_gpu():
     assert off.offloaded_layer_at(7) == off.backward_layer_bytes - layer  # the first layer: nothing to reload
     assert off.detail["layers_offloaded_to_host"] == -8 * layer
     assert off.detail["offload_resident_layers"] == 2 * layer
-    # full recompute: what goes to the host is the checkpointed inputs, 2*T*h bytes each in bf16
+    # full recompute: what goes to the host is the checkpointed inputs, 4*T*h bytes each: the residual stream,
+    # fp32 under autocast (`_stream_bytes`; measured, docs/validation.md row 122)
     full = stage_activations(make(m, "torch", seq=T, recompute="full", offload_activations=True), 0)
-    assert full.host_bytes == 8 * 2 * T * h
+    assert full.host_bytes == 8 * 4 * T * h
     # 1F1B: the first of 2 stages holds 2 micro-batches; both micro-batches' 4 layers go to the host
     r_pp = make(m, "megatron", seq=T, pp=2, gpus=2, grad_accum=4, offload_activations=True)
     pp = stage_activations(r_pp, 0)
@@ -808,10 +809,34 @@ def test_torch_interleaved_pipeline_holds_its_sends():
     assert a.in_flight == 5
     assert a.detail["pipeline_sent_transient"] == 5 * 16_384
     assert a.detail["pipeline_input_in_recv_buffer"] == -2 * 16_384
-    # 1F1B waits for each send at once: nothing held
+
+
+def test_torch_1f1b_keeps_its_last_send_ops_and_a_warm_up_send():
+    """torch's Schedule1F1B (PP2, m 4, 4 layers, fp32; one stream tensor 64 x 64 x 4 = 16,384 B). Stage 1 (the last;
+    w = 1 warm-up forward): its `bwd_sends` list keeps the previous backward's input gradient through the next
+    forward and backward. Stage 0 (the first, sends no gradient; w = 2): `send_work` keeps the works of warm-up
+    forward 0, whose send holds that forward's output after its backward (m = 4 >= 2w - 1 = 3). Measured:
+    docs/validation.md rows 41 and 44 (each within 0.01% with these terms; row 44 was -0.73% without)."""
+    from memcalc.options import RunOptions, build_run
+
     one = build_run(RunOptions(layers=4, hidden=64, heads=4, ffn=176, vocab=512, seq=64, precision="fp32", gpus=2,
                                pp=2, grad_accum=4))
-    assert stage_activations(one, 0).detail["pipeline_sent_transient"] == 0
+    s0, s1 = stage_activations(one, 0), stage_activations(one, 1)
+    assert s0.detail["pipeline_sent_transient"] == s1.detail["pipeline_sent_transient"] == 16_384
+    assert s0.steady_forward_sent_bytes == s1.steady_forward_sent_bytes == 16_384
+    # the later backward's start holds it beside the units in flight (the first backward's does not)
+    assert s1.backward_later_bytes - s1.backward_first_bytes == 16_384 - 0  # one unit in flight on the last stage
+    # m = 2 < 2w - 1 on stage 0: warm-up forward 0's backward comes after the 1B1F loop, which frees send_work
+    two = build_run(RunOptions(layers=4, hidden=64, heads=4, ffn=176, vocab=512, seq=64, precision="fp32", gpus=2,
+                               pp=2, grad_accum=2))
+    assert stage_activations(two, 0).detail["pipeline_sent_transient"] == 0
+    # the stage's last layer gets its output gradient in the receive buffer: the MLP moment of the first layer of
+    # backward has no new stream gradient on stage 0, and its later layers have one again
+    assert s0.layer_k_extra_bytes == 16_384 and s1.layer_k_extra_bytes == 0
+    # GPipe and Megatron hold none of these
+    gp = build_run(RunOptions(layers=4, hidden=64, heads=4, ffn=176, vocab=512, seq=64, precision="fp32", gpus=2,
+                              pp=2, grad_accum=4, schedule="gpipe"))
+    assert stage_activations(gp, 1).detail["pipeline_sent_transient"] == 0
 
 
 def test_fused_cross_entropy_keeps_only_the_compute_dtype_logits():
@@ -941,3 +966,16 @@ def test_fabric_fp32_logits_with_lit_gpt_loss():
     assert lf["loss_logits_fp32"] == 8 * T * V and lf["loss_logits_compute_dtype"] == 0
     with pytest.raises(InputError, match="keep-logits compute"):
         make(m, "torch", keep_logits="compute", **kw)
+
+
+def test_full_recompute_keeps_the_stream_in_its_dtype():
+    """A fully checkpointed layer keeps its input, the residual stream: in the compute dtype (Korthikanti's `2sbh`),
+    but fp32 under torch autocast with fp32 weights, whose embedding lookup and residual adds stay fp32
+    (`_stream_bytes`). Llama 3 8B shape, 2048 tokens: 2 x 2048 x 4096 = 16 MiB, or 32 MiB under AMP (measured:
+    docs/validation.md row 122, the AMP full-recompute pipeline row, exact with it)."""
+    m = llama3_8b(layers=2, vocab=32000)
+    amp = layer_terms(make(m, "torch", seq=2048, precision="bf16"), "full")["checkpoint_input"]
+    pure = layer_terms(make(m, "torch", seq=2048, precision="bf16", master_weights=False), "full")["checkpoint_input"]
+    meg = layer_terms(make(m, "megatron", seq=2048, precision="bf16"), "full")["checkpoint_input"]
+    assert amp == 4 * 2048 * 4096 == 32 * 2**20
+    assert pure == meg == 2 * 2048 * 4096

@@ -82,7 +82,10 @@ def test_amp_head_cast_is_saved_past_the_forward_under_recompute():
     assert stage_buffers(run(precision="bf16", recompute="op"))["amp_head_cast_saved"].bytes == 128_000
     assert stage_buffers(run(precision="bf16", recompute="full", tp=2))["amp_head_cast_saved"].bytes == 64_000
     assert stage_buffers(run(precision="bf16", recompute="full", pp=2), 0)["amp_head_cast_saved"].bytes == 0
-    assert stage_buffers(run(precision="bf16", recompute="full", pp=2), 1)["amp_head_cast_saved"].bytes == 128_000
+    # pipelining: the step's autocast cache holds every copy to the step's end, the head's among them
+    piped = stage_buffers(run(precision="bf16", recompute="full", pp=2), 1)
+    assert piped["amp_head_cast_saved"].bytes == 0
+    assert piped["amp_weight_casts_step_cache"].bytes == piped["amp_weight_casts"].bytes
     assert stage_buffers(run(precision="bf16"))["amp_head_cast_saved"].bytes == 0
     assert stage_buffers(run(precision="bf16", recompute="full", lora_rank=8))["amp_head_cast_saved"].bytes == 0
     assert "amp_head_cast_saved" not in stage_buffers(run(precision="fp32", recompute="full"))
@@ -382,3 +385,21 @@ def test_torch_pipelining_receive_buffers():
                     ParallelSpec(gpus=4, pp=4, vpp=2), HW, "torch")
     assert stage_buffers(inter, 0)["pipeline_recv_buffers"].bytes == 8 * 3 * 32_768
     assert stage_buffers(run(precision="fp32"))["pipeline_recv_buffers"].bytes == 0  # no pipeline
+
+
+def test_pipelining_keeps_the_autocast_copies_and_the_batch_for_the_step():
+    """torch pipelining runs the whole step inside one autocast region: the copies made by the first forward stay
+    in its cache to the end of the step. TINY pp=2, last stage: 2 layers and the head, 2 B x (2 x 65,664 - 4 norm
+    weights x 64 + 64,000) = 390,144 B, beside `amp_weight_casts` at the end of backward, and in all of backward
+    under full recompute (whose layers save no copy). The step's int64 ids and labels: 2 x 8 B x 4 micro-batches x
+    128 tokens = 8,192 B on every rank. Measured: docs/validation.md rows 122-123 and 41-45."""
+    plain = stage_buffers(run(precision="bf16", pp=2, grad_accum=4), 1)
+    assert plain["amp_weight_casts"].bytes == 2 * (2 * LAYER - 4 * 64 + EMB) == 390_144
+    assert plain["amp_weight_casts_step_cache"].bytes == 390_144
+    assert plain["amp_weight_casts_step_cache"].phases == frozenset({"backward_end"})
+    full = stage_buffers(run(precision="bf16", pp=2, grad_accum=4, recompute="full"), 1)
+    assert full["amp_weight_casts_step_cache"].phases == frozenset({"backward", "backward_layer", "backward_post",
+                                                                    "backward_end"})
+    assert stage_buffers(run(precision="bf16", grad_accum=4))["amp_weight_casts_step_cache"].bytes == 0  # pp = 1
+    assert plain["pipeline_batch_tokens"].bytes == 2 * 8 * 4 * 128 == 8_192
+    assert stage_buffers(run(precision="bf16", grad_accum=4))["pipeline_batch_tokens"].bytes == 0

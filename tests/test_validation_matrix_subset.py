@@ -29,6 +29,7 @@ ROWS = {
     40: "FSDP2 ZeRO-2 x TP2",
     42: "pipelining GPipe, last stage",
     43: "pipelining 1F1B, 4 stages, AMP",
+    44: "pipelining 1F1B, full recompute: the last stage's kept send ops",
     45: "pipelining x FSDP2 ZeRO-3",
     47: "fake world 32, ZeRO-1 greedy partition",
     48: "fake world 64, FSDP2 ZeRO-3",
@@ -55,6 +56,7 @@ ROWS = {
     95: "Ulysses all-to-all CP, full recompute",
     96: "Ulysses all-to-all CP over 4 ranks, selective recompute",
     97: "fake world 16, Ulysses CP 4 x FSDP2 ZeRO-3",
+    122: "pipelining under one autocast region, full recompute: the step's cast cache",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

@@ -336,8 +336,9 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     c, tok, tok_sp, tok_in = _shape(run)
     h = m.hidden
     if recompute == "full":
-        # the layer input, i.e. the residual stream (sharded with SP): Korthikanti sec. 5 `2sbh` (/t with SP)
-        return {"checkpoint_input": c * tok_sp * h}
+        # the layer input, i.e. the residual stream (sharded with SP): Korthikanti sec. 5 `2sbh` (/t with SP); fp32
+        # under autocast (`_stream_bytes`)
+        return {"checkpoint_input": _stream_bytes(run, c) * tok_sp * h}
     if recompute == "op":
         return _op_sac_terms(run)
     t = run.tp
@@ -515,8 +516,10 @@ def layer_bytes(run: Run, recompute: str = "none", paper_terms: bool = False) ->
 def first_stage_terms(run: Run) -> dict[str, Num]:
     """Saved per micro-batch on the first pipeline stage only (the embedding)."""
     c, tok, tok_sp, _ = _shape(run)
-    # token ids kept by the embedding's backward (int64); Megatron theoretical_memory_usage.py counts 8sb
-    out: dict[str, Num] = {"embedding_input_ids": 8 * tok}
+    # token ids kept by the embedding's backward (int64); Megatron theoretical_memory_usage.py counts 8sb; under
+    # torch pipelining a view of the step's batch (buffers.py `pipeline_batch_tokens`)
+    ids = where(run.pp > 1, 0, 8 * tok) if run.profile == "torch" else 8 * tok
+    out: dict[str, Num] = {"embedding_input_ids": ids}
     if run.dropout > 0:
         out["embedding_dropout_mask"] = tok_sp * run.model.hidden  # Korthikanti sec. 4.3: sbh/t per micro-batch
     t = run.training
@@ -969,6 +972,12 @@ class StageActivations:
     # one micro-batch's bitsandbytes-held layer inputs (`graph_held_layer_bytes`), live from its backward to the
     # end of that backward, or, where the loop holds the graph (`loop_holds_graph`), to the next loss
     graph_held_bytes: Num = 0
+    # torch 1F1B: the previous backward's input gradient, still referenced by the schedule's send ops, in every
+    # forward that follows a backward (steady state) on a stage that sends gradients
+    steady_forward_sent_bytes: Num = 0
+    # the stage's later layers' backward moments, beyond `backward_layer_bytes - k * layer_freed_bytes`: the
+    # incoming gradient that the first layer found in torch pipelining's receive buffer
+    layer_k_extra_bytes: Num = 0
 
     def offloaded_layer_at(self, k: Num) -> Num:
         """Offloading: activations inside the backward of the stage's k-th layer from the last (k = 0 is the first
@@ -1202,7 +1211,7 @@ def _down_matmul_extra(run: Run, mode: str, plain_layers: Num) -> Num:
     return plain + 0 * plain_layers
 
 
-def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None) -> Num:
+def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stream_in_buffer: Num = 0) -> Num:
     """Bytes a layer's backward holds beyond the saved activations at its highest moment (the MLP's backward,
     which runs first): the incoming gradient of the residual stream (its dtype, sharded like it under SP), the
     down projection's input gradient and, for SwiGLU, the gradients of both factors of the product while the
@@ -1211,7 +1220,9 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None) -> N
     c tok f/t input gradient (`dequant_bytes`). Derived from the op order of autograd's backward (aten mm / mul /
     silu_backward; measured op by op by the harness, docs/validation.md). The weight gradients are counted by the
     timeline. The attention core's backward (`attention_backward`, from the layer's `terms` where the caller has
-    them), later in the layer, is the other candidate."""
+    them), later in the layer, is the other candidate. `stream_in_buffer`: the part of the incoming gradient that
+    is not a new allocation at the MLP's moment (torch pipelining's receive buffer), not at the core's (by then
+    the MLP's input gradient has been added to it)."""
     m = run.model
     c, tok, _, _ = _shape(run)
     stream = _residual_grad_bytes(run)
@@ -1235,7 +1246,9 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None) -> N
     if _dequantizes(run.training) and _down_adapted(run):
         adapter = c * tokens * f_t - _down_adapter_saved(run, tokens, f_t)
     mlp = imax(factors * c * tokens * f_t, c * tokens * f_t + dq + adapter)
-    return stream + (mlp if run.profile == "megatron" else imax(mlp, attention_backward(run, terms)))
+    if run.profile == "megatron":
+        return stream + mlp
+    return stream + imax(mlp - stream_in_buffer, attention_backward(run, terms))
 
 
 def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed: bool = False) -> Num:
@@ -1588,6 +1601,27 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         bw_last_chunk = g2 * pp + imin(r2, pp)
         bw_first_chunk = g2 * pp + imax(imin(r2 - (v - 1) * pp, pp), 0)
         sent = s_h * ((j - where(last, bw_last_chunk, 0)) + (j - where(first, bw_first_chunk, 0)))
+    # torch's Schedule1F1B builds a backward's send ops (`bwd_sends`, P2POps that reference the stage's input
+    # gradient) and rebinds the list only after the next backward: on every stage but the first, the previous
+    # backward's input gradient is live through the next forward and backward (any backend; measured, rows 43-44)
+    steady_sent = 0
+    if run.profile == "torch" and run.schedule == "1f1b":
+        # and its warm-up keeps the send works of its last but one warm-up forward (`send_work`, rebound only in the
+        # cool-down; a send's work holds its tensor, gloo's and NCCL's alike): once that micro-batch's backward has
+        # run (B_{w-2}, w = in_flight warm-up forwards, inside the 1B1F loop when m >= 2w - 1), its output is live
+        # beside the w units in flight at every later backward and steady-state forward (measured, rows 41, 43)
+        w = units
+        kept_output = where(last, 0, where((w >= 2) & (run.grad_accum >= 2 * w - 1), s_h, 0))
+        sent = where(first, 0, s_h) + kept_output
+        steady_sent = sent
+    # torch pipelining under one autocast region (the step): the weight casts' nodes come from the step's first
+    # forward, so in a later backward they run after everything else, and each weight's compute-dtype gradient
+    # waits for its cast until the stage's backward ends; at the first layer's MLP moment, the down projection's
+    # (buffers.py `_amp_casts_step_cache`; measured, row 43)
+    late_dw = 0
+    if run.profile == "torch":
+        cb = DTYPE_BYTES[run.recipe.compute_dtype]
+        late_dw = where(run.pp > 1, _autocast(run) * cb * m.hidden * cdiv(mlp_width(m), run.tp), 0)
     # one backward frees one unit: a micro-batch (its layers and extras), or one model chunk when interleaved
     # (offloaded, the unit's layers are not resident: the window is counted per moment below)
     unit_gpu = 0 if off else unit_bytes
@@ -1635,6 +1669,11 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     bwd_tr = imax(imax(loss_bwd, core_tr), head_bwd_tr)
     layer_tr = layer_backward_transient(run, plain)
     at_layer = imax(_layer_moment(mode, layer_tr, remat), dense_at)
+    # torch pipelining, every stage but the last: the stage's last layer (the first in backward) gets its output's
+    # gradient in the receive buffer (`pipeline_recv_buffers`), not in a new tensor; the later layers' is new
+    recv_stream = where(last, 0, _residual_grad_bytes(run)) if run.profile == "torch" and not off else 0
+    at_first_layer = imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream), remat), dense_at)
+    layer_k_extra = at_layer - at_first_layer  # added back for the stage's later layers (timeline `acts_at`)
     # the logits at the LM head's matmul; a model that returns them upcast (`--keep-logits fp32`) makes the fp32
     # copy right there, while the loop still holds the previous micro-batch's (in `base`)
     logits = where(last, (c + (4 if tr.keep_logits == "fp32" and c < 4 else 0)) * _logit_elems(run), 0)
@@ -1666,7 +1705,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     base = held - head_freed - head_held  # (forward: the head has not run)
     base_bwd = base + head_held
     parts = (base, plain_layers, unit_layers, plain_bytes, kept_bytes, layer_tr, at_layer)
-    layer_bwd = _offloaded_layer_at(parts, 0) if off else base_bwd + at_layer
+    layer_bwd = _offloaded_layer_at(parts, 0) if off else base_bwd + at_first_layer
     attn = attention_backward(run, plain)
     modelled = not off and not (isinstance(attn, int) and attn == _NEVER)
     attn_bwd = base_bwd + _layer_moment(mode, _residual_grad_bytes(run) + attn, remat) if modelled else _NEVER
@@ -1714,7 +1753,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_later_bytes=held_later + w_last + where(total_units > 1, bwd_tr, 0) + sent,
         backward_layer_bytes=layer_bwd,
         backward_attention_bytes=attn_bwd,
-        backward_later_layer_bytes=where(total_units > 1, layer_bwd - held + held_later + sent, 0),
+        backward_later_layer_bytes=where(total_units > 1, layer_bwd - held + held_later + sent + late_dw, 0),
+        layer_k_extra_bytes=layer_k_extra,
         forward_head_bytes=base + w_last + where(last, _head_moment(run, logits, dq_head_fwd), 0),
         forward_layer_bytes=base - one_layer + w_prev,
         forward_attention_bytes=attn_fwd,
@@ -1722,6 +1762,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_post_bytes=base_bwd - one_layer + w_prev + _residual_grad_bytes(run),
         loss_kept_bytes=kept,
         graph_held_bytes=graph_held,
+        steady_forward_sent_bytes=steady_sent,
         layers=unit_layers,
         layer_freed_bytes=one_layer - layer_held,
         host_bytes=host,

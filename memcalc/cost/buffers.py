@@ -264,6 +264,19 @@ def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
     return Buffer(cb * elems, phases, "autocast low-precision copies of the weights")
 
 
+def _amp_casts_step_cache(run: Run, casts: Buffer) -> Buffer:
+    """torch pipelining: the autocast region is the whole `schedule.step()` (every forward and backward runs inside
+    it), so its weight cache keeps each copy made by the step's first forward until the step ends, through every
+    backward and its end whatever the recompute; `_amp_casts` covers the moments where they are live anyway.
+    Measured: docs/validation.md, the PP AMP rows (all of a stage's copies live at a later micro-batch's loss
+    gradient under full recompute)."""
+    late = frozenset({"backward_end"})
+    if run.training.recompute in ("full", "op"):
+        late = late | BACKWARD
+    return Buffer(where(run.pp > 1, casts.bytes, 0), late,
+                  "the same copies, kept to the end of the step by the autocast cache around torch pipelining's step")
+
+
 def _amp_head_cast_saved(run: Run, stage: Num) -> Buffer:
     """Under full (or op-level) recompute the layers' autocast copies are dropped when the autocast region exits
     (`_amp_casts`), but the LM head is not checkpointed: its matmul saved its low-precision weight (and bias) for
@@ -273,7 +286,8 @@ def _amp_head_cast_saved(run: Run, stage: Num) -> Buffer:
     t = run.training
     if t.recompute not in ("full", "op") or t.lora_rank is not None:
         return Buffer(0, frozenset({"backward"}), "")
-    head = where(stage == run.pp - 1, _scaled(run, head_params(run.model, run.profile, run.tp)), 0)
+    # (pipelining: the step's autocast cache holds it with the other copies, `_amp_casts_step_cache`)
+    head = where((stage == run.pp - 1) & (run.pp == 1), _scaled(run, head_params(run.model, run.profile, run.tp)), 0)
     return Buffer(DTYPE_BYTES[run.recipe.compute_dtype] * head, frozenset({"backward"}),
                   "the LM head's autocast weight copy, saved by its matmul until its backward (recompute)")
 
@@ -285,8 +299,9 @@ def amp_casts_freed_at_attention(run: Run) -> Num:
     r, t = run.recipe, run.training
     if run.profile != "torch" or not r.compute_copy or t.lora_rank is not None or t.recompute in ("full", "op"):
         return 0
-    fsdp = (run.zero >= 2) & (run.shard_degree > 1)
-    return where(fsdp, 0, DTYPE_BYTES[r.compute_dtype] * after_core_layer_elems(run)[0])
+    # (pipelining: the step's autocast cache keeps them, `_amp_casts_step_cache`)
+    kept = ((run.zero >= 2) & (run.shard_degree > 1)) | (run.pp > 1)
+    return where(kept, 0, DTYPE_BYTES[r.compute_dtype] * after_core_layer_elems(run)[0])
 
 
 def _pipeline_recv_buffers(run: Run, stage: Num) -> Num:
@@ -371,6 +386,11 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     out: dict[str, Buffer] = {}
     out["pipeline_recv_buffers"] = Buffer(_pipeline_recv_buffers(run, stage), ALL_PHASES,
                                           "torch pipelining: a receive buffer per micro-batch, each way")
+    # `schedule.step(inputs, target=labels)` splits the step's whole batch into micro-batch views, and the loop
+    # moves it to every rank (torchtitan's train step): its int64 token ids and labels, s/cp tokens per sequence
+    batch = 2 * 8 * run.grad_accum * run.micro_batch * (run.seq // run.cp)
+    out["pipeline_batch_tokens"] = Buffer(where(run.pp > 1, batch, 0), ALL_PHASES,
+                                          "torch pipelining: the step's token ids and labels (int64)")
     if run.zero <= 1:
         # DDP (ZeRO-1 = ZeroRedundancyOptimizer over DDP). reducer.cpp initialize_buckets: every bucket gets
         # `bucket.gradients = at::empty({numel of its params}, param options)`; the buckets cover every parameter
@@ -385,6 +405,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
             )
         if r.compute_copy:
             out["amp_weight_casts"] = _amp_casts(run, stage, n_train)
+            out["amp_weight_casts_step_cache"] = _amp_casts_step_cache(run, out["amp_weight_casts"])
             out["amp_head_cast_saved"] = _amp_head_cast_saved(run, stage)
         return out
     # FSDP2 fully_shard. _fsdp_collectives.py: foreach_all_gather allocates the unit's flat all-gather output
@@ -476,6 +497,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     if r.compute_copy:
         casts = _amp_casts(run, stage, n_train)
         out["amp_weight_casts"] = Buffer(where(sharded, 0, casts.bytes), casts.phases, casts.note + " (no FSDP)")
+        out["amp_weight_casts_step_cache"] = _amp_casts_step_cache(run, out["amp_weight_casts"])
         head = _amp_head_cast_saved(run, stage)
         out["amp_head_cast_saved"] = Buffer(where(sharded, 0, head.bytes), head.phases, head.note)
     return out

@@ -255,12 +255,14 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     old_logits = 0
     if first_step:
         prev, old_logits = 0, act.loss_kept_bytes
+    # a steady-state forward of torch's 1F1B also has the previous backward's input gradient referenced
+    f_prev = prev if first_step else prev + where(forwards > act.in_flight, act.steady_forward_sent_bytes, 0)
     fwd = [
-        moment(later_fwd_g, act.forward_bytes + prev, buf("forward")),
-        moment(later_fwd_g, act.forward_head_bytes + prev - old_logits, buf("forward_head")),
-        moment(later_fwd_g, act.forward_layer_bytes + prev - old_logits, buf("forward_layer")),
-        moment(later_fwd_g, act.forward_attention_bytes + prev - old_logits, buf("forward_layer")),
-        moment(later_fwd_g, act.forward_layer_end_bytes + prev - old_logits, buf("forward_layer_end")),
+        moment(later_fwd_g, act.forward_bytes + f_prev, buf("forward")),
+        moment(later_fwd_g, act.forward_head_bytes + f_prev - old_logits, buf("forward_head")),
+        moment(later_fwd_g, act.forward_layer_bytes + f_prev - old_logits, buf("forward_layer")),
+        moment(later_fwd_g, act.forward_attention_bytes + f_prev - old_logits, buf("forward_layer")),
+        moment(later_fwd_g, act.forward_layer_end_bytes + f_prev - old_logits, buf("forward_layer_end")),
     ]
     # backward: the loss gradient (start of the first backward), the first layer's backward (loss terms freed,
     # the layer's gradient transients and the first weight gradients live), the start of a later backward
@@ -299,7 +301,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     def acts_at(k: Num) -> Num:
         if offloaded:  # the resident pair changes with the layer (plain or checkpointed; none left to reload)
             return where(more, act.offloaded_layer_at(k), act.backward_layer_bytes)
-        return act.backward_layer_bytes - where(more, k * a, 0)
+        return act.backward_layer_bytes - where(more, k * a - act.layer_k_extra_bytes, 0)
 
     bwd = [
         first_loss,
