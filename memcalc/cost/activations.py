@@ -1603,7 +1603,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         sent = s_h * ((j - where(last, bw_last_chunk, 0)) + (j - where(first, bw_first_chunk, 0)))
     # torch's Schedule1F1B builds a backward's send ops (`bwd_sends`, P2POps that reference the stage's input
     # gradient) and rebinds the list only after the next backward: on every stage but the first, the previous
-    # backward's input gradient is live through the next forward and backward (any backend; measured, rows 43-44)
+    # backward's input gradient is live through the next forward and backward (any backend; measured, row 44)
     steady_sent = 0
     if run.profile == "torch" and run.schedule == "1f1b":
         # and its warm-up keeps the send works of its last but one warm-up forward (`send_work`, rebound only in the
