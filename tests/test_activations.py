@@ -825,7 +825,8 @@ def test_torch_1f1b_keeps_its_last_send_ops_and_a_warm_up_send():
     assert s0.detail["pipeline_sent_transient"] == s1.detail["pipeline_sent_transient"] == 16_384
     assert s0.steady_forward_sent_bytes == s1.steady_forward_sent_bytes == 16_384
     # the later backward's start holds it beside the units in flight (the first backward's does not)
-    assert s1.backward_later_bytes - s1.backward_first_bytes == 16_384 - 0  # one unit in flight on the last stage
+    # (the last stage holds one unit in flight at both)
+    assert s1.backward_later_bytes - s1.backward_first_bytes == 16_384
     # m = 2 < 2w - 1 on stage 0: warm-up forward 0's backward comes after the 1B1F loop, which frees send_work
     two = build_run(RunOptions(layers=4, hidden=64, heads=4, ffn=176, vocab=512, seq=64, precision="fp32", gpus=2,
                                pp=2, grad_accum=2))

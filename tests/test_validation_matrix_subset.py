@@ -66,12 +66,10 @@ ROWS = {
 @pytest.mark.parametrize("row", sorted(ROWS), ids=[f"{r}-{ROWS[r]}" for r in sorted(ROWS)])
 def test_matrix_row_within_2_percent_states_and_collectives_exact(row):
     label, opts, model, world, device = vm.configurations()[row - 1]
-    rep = validate(vm.build(opts, model), device=device, world=world, tolerance=0.02, timeout=120)
-    if abs(rep["error"]) > 0.02 and world == "real" and opts.get("zero", 0) >= 2:
-        # FSDP2 over a real gloo world: gloo's worker thread may free the previous all-gather output only after the
-        # next one is allocated (see the note above); row 26 once measured -4.1% in a full run of this suite and
-        # -0.03% in the matrix run just before it. One more measurement, not a wider bar
-        rep = validate(vm.build(opts, model), device=device, world=world, tolerance=0.02, timeout=120)
+    # FSDP2 over a real gloo world is measured once more when it misses (`vm.measure`; see the note above): row 26
+    # once measured -4.1% in a full run of this suite and -0.03% in the matrix run just before it. One more
+    # measurement, not a wider bar
+    rep, _ = vm.measure(vm.build(opts, model), opts, world, device, 120)
     assert abs(rep["error"]) <= 0.02, (label, rep["error"])
     pred, meas = rep["predicted"]["model_states"], rep["measured"]["model_states"]
     for k in ("params", "master_weights", "grads", "optimizer"):

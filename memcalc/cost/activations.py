@@ -24,6 +24,7 @@ from typing import Any
 
 from memcalc.cost.params import (
     dense_layer_run,
+    first_backward_grad_elems,
     first_dense_layers,
     head_params,
     mlp_width,
@@ -1618,10 +1619,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # forward, so in a later backward they run after everything else, and each weight's compute-dtype gradient
     # waits for its cast until the stage's backward ends; at the first layer's MLP moment, the down projection's
     # (buffers.py `_amp_casts_step_cache`; measured, row 43)
-    late_dw = 0
-    if run.profile == "torch":
-        cb = DTYPE_BYTES[run.recipe.compute_dtype]
-        late_dw = where(run.pp > 1, _autocast(run) * cb * m.hidden * cdiv(mlp_width(m), run.tp), 0)
+    late_dw = where(run.pp > 1, _autocast(run) * DTYPE_BYTES[run.recipe.compute_dtype]
+                    * first_backward_grad_elems(run, stage)[1], 0)
     # one backward frees one unit: a micro-batch (its layers and extras), or one model chunk when interleaved
     # (offloaded, the unit's layers are not resident: the window is counted per moment below)
     unit_gpu = 0 if off else unit_bytes

@@ -277,17 +277,17 @@ def _amp_casts_step_cache(run: Run, casts: Buffer) -> Buffer:
                   "the same copies, kept to the end of the step by the autocast cache around torch pipelining's step")
 
 
-def _amp_head_cast_saved(run: Run, stage: Num) -> Buffer:
+def _amp_head_cast_saved(run: Run) -> Buffer:
     """Under full (or op-level) recompute the layers' autocast copies are dropped when the autocast region exits
     (`_amp_casts`), but the LM head is not checkpointed: its matmul saved its low-precision weight (and bias) for
-    the input gradient, which is live at the loss gradient until the head's backward. Last stage only; none for
+    the input gradient, which is live at the loss gradient until the head's backward. Without pipelining only (its
+    one stage is the last; under pipelining the step's cache holds every copy, `_amp_casts_step_cache`); none for
     LoRA (its head is frozen in the compute dtype). Measured by the harness (docs/validation.md, the DDP op-level
     SAC row: one `c*V*h` copy at its loss-gradient peak)."""
     t = run.training
     if t.recompute not in ("full", "op") or t.lora_rank is not None:
         return Buffer(0, frozenset({"backward"}), "")
-    # (pipelining: the step's autocast cache holds it with the other copies, `_amp_casts_step_cache`)
-    head = where((stage == run.pp - 1) & (run.pp == 1), _scaled(run, head_params(run.model, run.profile, run.tp)), 0)
+    head = where(run.pp == 1, _scaled(run, head_params(run.model, run.profile, run.tp)), 0)
     return Buffer(DTYPE_BYTES[run.recipe.compute_dtype] * head, frozenset({"backward"}),
                   "the LM head's autocast weight copy, saved by its matmul until its backward (recompute)")
 
@@ -406,7 +406,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         if r.compute_copy:
             out["amp_weight_casts"] = _amp_casts(run, stage, n_train)
             out["amp_weight_casts_step_cache"] = _amp_casts_step_cache(run, out["amp_weight_casts"])
-            out["amp_head_cast_saved"] = _amp_head_cast_saved(run, stage)
+            out["amp_head_cast_saved"] = _amp_head_cast_saved(run)
         return out
     # FSDP2 fully_shard. _fsdp_collectives.py: foreach_all_gather allocates the unit's flat all-gather output
     # (param_dtype), copy-out fills the unsharded parameters; the next unit's all-gather is issued while the current
@@ -498,7 +498,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         casts = _amp_casts(run, stage, n_train)
         out["amp_weight_casts"] = Buffer(where(sharded, 0, casts.bytes), casts.phases, casts.note + " (no FSDP)")
         out["amp_weight_casts_step_cache"] = _amp_casts_step_cache(run, out["amp_weight_casts"])
-        head = _amp_head_cast_saved(run, stage)
+        head = _amp_head_cast_saved(run)
         out["amp_head_cast_saved"] = Buffer(where(sharded, 0, head.bytes), head.phases, head.note)
     return out
 
