@@ -306,6 +306,18 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     add("PP2 1F1B bf16 AMP full recompute", dict(L, precision="bf16", gpus=2, pp=2, grad_accum=4, recompute="full"))
     add("PP4 1F1B bf16 AMP full recompute, 8 micro-batches", dict(L, precision="bf16", gpus=4, pp=4, grad_accum=8,
                                                                   recompute="full"))
+    # ... and where the weights outweigh the activations (short sequences, more layers): the end of a later
+    # backward, every compute-dtype weight gradient waiting for its cast node, is the stage's highest moment
+    W = dict(L, layers=8, hidden=128, ffn=352, seq=16)
+    add("PP2 1F1B bf16 AMP full recompute, weight-heavy (seq 16)", dict(W, precision="bf16", gpus=2, pp=2,
+                                                                        grad_accum=4, recompute="full"))
+    add("PP2 1F1B bf16 AMP, weight-heavy (seq 16)", dict(W, precision="bf16", gpus=2, pp=2, grad_accum=4))
+    add("PP4 1F1B bf16 AMP selective recompute, weight-heavy (seq 16), 8 micro-batches", dict(
+        W, precision="bf16", gpus=4, pp=4, grad_accum=8, recompute="selective"))
+    add("PP2 GPipe bf16 AMP, weight-heavy (seq 16)", dict(W, precision="bf16", gpus=2, pp=2, grad_accum=4,
+                                                          schedule="gpipe"))
+    add("PP2 interleaved vpp 2 bf16 AMP, weight-heavy (seq 16), 8 micro-batches", dict(
+        W, precision="bf16", gpus=2, pp=2, vpp=2, grad_accum=8, schedule="interleaved"))
     return c
 
 

@@ -834,10 +834,49 @@ def test_torch_1f1b_keeps_its_last_send_ops_and_a_warm_up_send():
     # the stage's last layer gets its output gradient in the receive buffer: the MLP moment of the first layer of
     # backward has no new stream gradient on stage 0, and its later layers have one again
     assert s0.layer_k_extra_bytes == 16_384 and s1.layer_k_extra_bytes == 0
-    # GPipe and Megatron hold none of these
+    # GPipe waits for its backward sends when the step ends: at its second backward the first one's input gradient
+    # (stage 1; stage 0 sends none), and no forward follows a backward
     gp = build_run(RunOptions(layers=4, hidden=64, heads=4, ffn=176, vocab=512, seq=64, precision="fp32", gpus=2,
                               pp=2, grad_accum=4, schedule="gpipe"))
-    assert stage_activations(gp, 1).detail["pipeline_sent_transient"] == 0
+    assert stage_activations(gp, 1).detail["pipeline_sent_transient"] == 16_384
+    assert stage_activations(gp, 0).detail["pipeline_sent_transient"] == 0
+    assert stage_activations(gp, 1).steady_forward_sent_bytes == 0
+
+
+def test_later_backward_end_under_autocast_holds_every_weight_gradient_waiting_for_its_cast():
+    """torch pipelining with one autocast region around the step (PP2 1F1B, m 4, AMP bf16, full recompute; 8 layers
+    of h 128, 4 MHA heads, f 352, V 512, 16 tokens per micro-batch). In a later backward each weight's cast node is
+    older than the micro-batch's nodes, so every bf16 weight gradient waits until the stage's backward ends.
+    Cast weights per layer: q, k, v, o 4 x 128 x 128 + gate, up, down 3 x 128 x 352 = 200,704 elements.
+    Stage 1 (last): 4 layers + the head 512 x 128: 2 B x (4 x 200,704 + 65,536) = 1,736,704 B waiting; the newest
+    cast (the head's) makes its fp32 gradient, 4 x 65,536 = 262,144 B, and the stage's input gradient (fp32 stream,
+    16 x 128 x 4 = 8,192 B) waits to be sent: 2,007,040 B.
+    Stage 0 (first): 2 x 4 x 200,704 = 1,605,632 B waiting; the embedding's node runs first (this micro-batch's):
+    its fp32 gradient 4 x 512 x 128 = 262,144 B beside the stream's 8,192 B, more than the down projection's cast
+    (4 x 128 x 352 = 180,224 B): 1,875,968 B. Measured: docs/validation.md row 124 (the harness's rank 0 holds
+    1,935,360 B of activations at its peak, exactly the predicted figure; -1.64% on the peak without this moment)."""
+    from memcalc.cost.timeline import stage_memory
+    from memcalc.options import RunOptions, build_run
+
+    kw = dict(layers=8, hidden=128, heads=4, ffn=352, vocab=512, seq=16, gpus=2, pp=2, grad_accum=4,
+              recompute="full")
+    amp = build_run(RunOptions(**kw, precision="bf16"))
+    s0, s1 = stage_activations(amp, 0), stage_activations(amp, 1)
+    assert s1.detail["cast_weight_grads_transient"] == 1_736_704 + 262_144 + 8_192
+    assert s0.detail["cast_weight_grads_transient"] == 1_605_632 + 262_144 + 8_192
+    # the moment's whole activations on stage 0: the other micro-batch in flight (4 fp32 checkpoint inputs and its
+    # output, 5 x 8,192, and its rotary tables 2 x 2 x 16 x 32), the kept warm-up send's output and this one's
+    # output (2 x 8,192), and the gradients above: the harness's figure
+    assert s0.backward_later_end_bytes == 5 * 8_192 + 2_048 + 2 * 8_192 + 1_875_968 == 1_935_360
+    # it is the stage's backward peak: the timeline's highest backward moment
+    assert stage_memory(amp, 0).phases[1].live["activations"] == 1_935_360
+    # without autocast (fp32, or pure bf16) the gradients go to .grad directly, and with one micro-batch there is no
+    # later backward: no such moment
+    for other in (build_run(RunOptions(**kw, precision="fp32")),
+                  build_run(RunOptions(**kw, precision="bf16", master_weights=False)),
+                  build_run(RunOptions(**{**kw, "grad_accum": 1}, precision="bf16"))):
+        assert stage_activations(other, 0).detail["cast_weight_grads_transient"] == 0
+        assert stage_activations(other, 0).backward_later_end_bytes < 0
 
 
 def test_fused_cross_entropy_keeps_only_the_compute_dtype_logits():

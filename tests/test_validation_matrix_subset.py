@@ -57,6 +57,7 @@ ROWS = {
     96: "Ulysses all-to-all CP over 4 ranks, selective recompute",
     97: "fake world 16, Ulysses CP 4 x FSDP2 ZeRO-3",
     122: "pipelining under one autocast region, full recompute: the step's cast cache",
+    124: "pipelining under autocast, weight-heavy: a later backward's end, weight gradients waiting for their casts",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

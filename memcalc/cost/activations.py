@@ -23,17 +23,19 @@ import dataclasses
 from typing import Any
 
 from memcalc.cost.params import (
+    cast_grad_elems,
     dense_layer_run,
     first_backward_grad_elems,
     first_dense_layers,
     head_params,
     mlp_width,
     padded_vocab,
+    shape_params,
     stage_dense_layers,
     stage_layers,
 )
 from memcalc.specs import DTYPE_BYTES, Run, lora_projections
-from memcalc.xp import cdiv, imax, imin, where
+from memcalc.xp import cdiv, imax, imin, muldiv, where
 
 Num = Any
 
@@ -945,6 +947,9 @@ class StageActivations:
     # the same moment in a later micro-batch's backward (pipelining, gradient accumulation): as many units held
     # as at its start, the layer's transients on top (0 with one micro-batch)
     backward_later_layer_bytes: Num
+    # the end of a later micro-batch's backward under torch pipelining's step-wide autocast: every compute-dtype
+    # weight gradient waits for its cast node (`_later_backward_end`; _NEVER where that does not happen)
+    backward_later_end_bytes: Num
     # the same moment with the compute-dtype logits still live (end of forward, at the LM head matmul)
     forward_head_bytes: Num
     # eager attention's core in that last layer's forward (`eager_attention_forward`; _NEVER where not modelled)
@@ -1459,6 +1464,42 @@ def _residual_grad_bytes(run: Run) -> Num:
     return _stream_bytes(run, c) * tok_sp * run.model.hidden
 
 
+def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[Num, Num]:
+    """(activations at the end of a later micro-batch's backward under torch pipelining with autocast, or _NEVER;
+    the weight gradients' part of them, 0 where the moment does not occur). The autocast region is the whole
+    `schedule.step()`, so the step's first forward made every weight's cast node; in a later backward those nodes
+    are older than all of that micro-batch's, and autograd (newest ready node first) runs them last: once the
+    stage's other nodes are done, every compute-dtype weight gradient is live. The newest cast node then turns its
+    gradient into the parameter's dtype for AccumulateGrad's in-place add: the LM head's on the last stage, else
+    the last layer's down projection. On the first stage the embedding's node (made by this micro-batch, so newer)
+    runs before them: its dense gradient beside the residual stream's. Also live: the other micro-batches in
+    flight (`others`), this one's stage output (`fwd_cache`), the sends' references (`sent`) and, on a stage that
+    sends one, this backward's input gradient. Interleaved: one model chunk's casts (the stage's / vpp; the head's
+    on the last), taken with the most chunks held, an upper bound. Measured: docs/validation.md rows 124-128."""
+    m = run.model
+    if run.profile != "torch":
+        return _NEVER, 0
+    first, last = stage == 0, stage == run.pp - 1
+    c, p = DTYPE_BYTES[run.recipe.compute_dtype], DTYPE_BYTES[run.recipe.param_dtype]
+    frozen = run.training.freeze
+    head = where(last, head_params(m, run.profile, run.tp), 0) if "head" not in frozen else 0
+    down = m.hidden * cdiv(mlp_width(m), run.tp)
+    word = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
+    if m.params_override is not None:
+        full = shape_params(m)
+        head, down, word = (muldiv(x, m.params_override, full) for x in (head, down, word))
+    waiting = c * cast_grad_elems(run, stage)
+    if run.schedule == "interleaved":
+        waiting = (waiting - c * head) // run.vpp + c * head
+    newest = p * where(head > 0, head, down)
+    grad_in = _residual_grad_bytes(run)
+    emb = newest if "embeddings" in frozen else imax(grad_in + p * word, newest)
+    tail = where(first, emb, grad_in + newest)
+    out_one = every_stage_terms(run, stage).get("pipeline_output", 0)
+    occurs = (run.pp > 1) & (_autocast(run) == 1)
+    return where(occurs, others + out_one + sent + waiting + tail, _NEVER), where(occurs, waiting + tail, 0)
+
+
 def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     """Activations of one rank of pipeline stage `stage` (int or numpy array)."""
     m = run.model
@@ -1615,6 +1656,10 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         kept_output = where(last, 0, where((w >= 2) & (run.grad_accum >= 2 * w - 1), s_h, 0))
         sent = where(first, 0, s_h) + kept_output
         steady_sent = sent
+    if run.profile == "torch" and run.schedule == "gpipe":
+        # ScheduleGPipe waits for its backward sends only when the step ends: at the second backward (the later
+        # one with the most micro-batches held) the first one's input gradient is still referenced
+        sent = where(first, 0, s_h)
     # torch pipelining under one autocast region (the step): the weight casts' nodes come from the step's first
     # forward, so in a later backward they run after everything else, and each weight's compute-dtype gradient
     # waits for its cast until the stage's backward ends; at the first layer's MLP moment, the down projection's
@@ -1627,6 +1672,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     freed = unit_gpu if run.schedule == "interleaved" else unit_gpu + extra
     later_units = imin(units, total_units - 1)  # held when a later backward starts (steady state or drain)
     held_later = held - (units - later_units) * freed
+    later_end, cast_grads = _later_backward_end(run, stage, held_later - freed, sent) if not off else (_NEVER, 0)
 
     loss_fwd, loss_bwd = loss_transients(run)
     # torch pipelining holds the last stage's logits in `fwd_cache` (every_stage_terms `pipeline_output`)
@@ -1697,6 +1743,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         detail["dequantized_weight_transient"] = biggest + _dequant_cast(run, biggest, 0)
     detail["cp_ring_kv_transient"] = ring_bwd
     detail["pipeline_sent_transient"] = sent
+    detail["cast_weight_grads_transient"] = where(total_units > 1, cast_grads, 0)
     one_layer = 0 if off else unit_bytes // imax(unit_layers, 1)  # a layer's share of what `held` counts
     # offloading: the k-th layer backward (`StageActivations.offloaded_layer_at`) holds that layer's set and the
     # previous layer's, plain or checkpointed; the first (k = 0) is `backward_layer_bytes`
@@ -1753,6 +1800,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_layer_bytes=layer_bwd,
         backward_attention_bytes=attn_bwd,
         backward_later_layer_bytes=where(total_units > 1, layer_bwd - held + held_later + sent + late_dw, 0),
+        backward_later_end_bytes=where(total_units > 1, later_end, _NEVER),
         layer_k_extra_bytes=layer_k_extra,
         forward_head_bytes=base + w_last + where(last, _head_moment(run, logits, dq_head_fwd), 0),
         forward_layer_bytes=base - one_layer + w_prev,

@@ -34,6 +34,7 @@ from memcalc.cost.params import (
     first_dense_layers,
     layer_params,
     layer_tensor_shapes,
+    matmul_weight_elems,
     mlp_matrix_shapes,
     attention_matrix_shapes,
     norm_params,
@@ -168,21 +169,6 @@ def _trainable_shard_elems(run: Run, stage: Num) -> Num:
     return cdiv(split.trainable_dense, d) + cdiv(split.trainable_expert, d // run.ep)
 
 
-def _matmul_weight_elems(run: Run, stage: Num) -> Num:
-    """Parameters of the stage that autocast casts for matmuls: everything but the input embedding, whose lookup
-    is not an autocast op, and the norm weights (layer_norm / rms_norm run in fp32 under autocast; the casts
-    of aten/src/ATen/autocast_mode.cpp are for the lower-precision ops: matmuls, linear, ...). A tied LM head on
-    the embedding's stage is that same matrix, which the head's matmul casts: there only learned positions are
-    left out (GPT-2, Llama 3.2 1B/3B under AMP; measured by the harness)."""
-    m = run.model
-    emb = _scaled(run, embedding_params(m, run.profile, run.tp))
-    if m.tied_embeddings:  # the word matrix, the head's (a tied head has no bias: ModelSpec._check)
-        emb = emb - where(stage == run.pp - 1, _scaled(run, head_params(m, run.profile, run.tp)), 0)
-    n_norms = layer_norms(m) * stage_layers(m, run.pp, stage) + where(stage == run.pp - 1, 1, 0)
-    norms = _scaled(run, norm_params(m) * n_norms)
-    return _stage_elems(run, stage) - where(stage == 0, emb, 0) - norms
-
-
 def _te_dummy_wgrad_elems(run: Run, stage: Num = 0) -> Num:
     """One dummy wgrad per distinct weight shape: TE caches `get_dummy_wgrad(shape, dtype)` per (shape, dtype)
     (transformer_engine/pytorch/module/base.py), so the cache holds one of each TE linear weight the stage runs
@@ -260,7 +246,7 @@ def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
     cb = DTYPE_BYTES[run.recipe.compute_dtype]
     fwd_only = frozenset({"forward", "forward_layer", "forward_layer_end"})
     phases = fwd_only if run.training.recompute in ("full", "op") else FWD_BWD
-    elems = n_train if run.training.lora_rank is not None else _matmul_weight_elems(run, stage)
+    elems = n_train if run.training.lora_rank is not None else matmul_weight_elems(run, stage)
     return Buffer(cb * elems, phases, "autocast low-precision copies of the weights")
 
 

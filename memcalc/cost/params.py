@@ -351,6 +351,40 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
                       frozen)
 
 
+def _scaled(run: Run, x: Num) -> Num:
+    """Scale an element count to `--params N` as stage_params does."""
+    m = run.model
+    return x if m.params_override is None else muldiv(x, m.params_override, shape_params(m))
+
+
+def matmul_weight_elems(run: Run, stage: Num) -> Num:
+    """Parameters of the stage that autocast casts for matmuls: everything but the input embedding, whose lookup
+    is not an autocast op, and the norm weights (layer_norm / rms_norm run in fp32 under autocast; the casts
+    of aten/src/ATen/autocast_mode.cpp are for the lower-precision ops: matmuls, linear, ...). A tied LM head on
+    the embedding's stage is that same matrix, which the head's matmul casts: there only learned positions are
+    left out (GPT-2, Llama 3.2 1B/3B under AMP; measured by the harness)."""
+    m = run.model
+    emb = _scaled(run, embedding_params(m, run.profile, run.tp))
+    if m.tied_embeddings:  # the word matrix, the head's (a tied head has no bias: ModelSpec._check)
+        emb = emb - where(stage == run.pp - 1, _scaled(run, head_params(m, run.profile, run.tp)), 0)
+    n_norms = layer_norms(m) * stage_layers(m, run.pp, stage) + where(stage == run.pp - 1, 1, 0)
+    norms = _scaled(run, norm_params(m) * n_norms)
+    dense, expert = stage_params(run, stage)
+    return dense + expert - where(stage == 0, emb, 0) - norms
+
+
+def cast_grad_elems(run: Run, stage: Num) -> Num:
+    """Of `matmul_weight_elems`, those whose casts produce gradients: all but --freeze'd layers and head (their
+    casts need no gradient). The frozen layers' norms are counted as cast here (a few hidden-sized vectors)."""
+    t, m = run.training, run.model
+    if not t.freeze:
+        return matmul_weight_elems(run, stage)
+    frozen = stage_param_split(run, stage).frozen
+    if "embeddings" in t.freeze:  # not cast in the first place
+        frozen = frozen - where(stage == 0, _scaled(run, embedding_params(m, run.profile, run.tp)), 0)
+    return imax(matmul_weight_elems(run, stage) - frozen, 0)
+
+
 def first_backward_grad_elems(run: Run, stage: Num) -> tuple[Num, Num]:
     """(head, down): parameters whose gradients a stage's backward produces first, per TP rank: the LM head and
     final norm (last stage only; the tied head's gradient is the embedding's) and one layer's down projection

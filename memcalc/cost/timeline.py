@@ -14,7 +14,8 @@ Phases (docs/methodology.md, "Activations" sec. 7), each the highest of its cand
 - backward: the loss gradient; inside the first layer's backward (`activations.layer_backward_transient`, a
   re-materialised layer, the first weight gradients) and at its end (FSDP2's post-backward); the second and the
   last layer (each layer frees its activations and adds its gradients, linear in between); the start of a later
-  micro-batch's backward and its first layer's backward; the end of backward (FSDP2's root reduce-scatter).
+  micro-batch's backward, its first layer's backward and, under torch pipelining with autocast, its end; the end
+  of backward (FSDP2's root reduce-scatter).
 - optimizer: no activations (but lit-gpt's logits list, `loss_kept_bytes`); all gradients and the optimizer's
   temporaries (buffers).
 Buffers (memcalc/cost/buffers.py) add their bytes to the phases each one names.
@@ -322,6 +323,8 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
           for k in (_switch_layers(act) if offloaded else ())],
         later_loss,
         if_later(moment(later_g, act.backward_later_layer_bytes, buf("backward_layer"))),
+        # its end under torch pipelining's step-wide autocast (the weights' compute-dtype gradients waiting)
+        if_later(moment(later_g, act.backward_later_end_bytes, buf("backward_end"))),
         moment(grads, act.loss_kept_bytes + act.graph_held_bytes, buf("backward_end")),
     ]
     return fwd, bwd, moment(grads, act.loss_kept_bytes + prev, buf("optimizer"), opt), (first_loss, later_loss)
