@@ -318,6 +318,20 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
                                                           schedule="gpipe"))
     add("PP2 interleaved vpp 2 bf16 AMP, weight-heavy (seq 16), 8 micro-batches", dict(
         W, precision="bf16", gpus=2, pp=2, vpp=2, grad_accum=8, schedule="interleaved"))
+    # a later micro-batch's LM-head backward: the head's new weight gradient beside the accumulated .grad (a large
+    # vocabulary, short sequences, plain SGD so that backward is the peak)
+    V = dict(L, layers=2, vocab=8192, seq=8, grad_accum=2, optimizer="sgd")
+    add("grad-accum 2, single fp32, vocab 8192, seq 8: the later LM head's weight gradient", dict(V, precision="fp32"))
+    add("grad-accum 2, single bf16 AMP, vocab 8192, seq 8: and its cast", dict(V, precision="bf16"))
+    add("grad-accum 2, DDP pure bf16, vocab 8192, seq 8", dict(V, precision="bf16", master_weights=False, gpus=2))
+    # a tied LM head: its gradient waits in autograd's input buffer for the embedding's until backward ends
+    add("tied embeddings, single fp32, vocab 8192, seq 8: the head's gradient held to the end of backward",
+        dict(V, precision="fp32", grad_accum=1), {"tied_embeddings": True})
+    add("tied embeddings, DDP bf16 AMP, grad-accum 2, vocab 8192, seq 8", dict(V, precision="bf16", gpus=2),
+        {"tied_embeddings": True})
+    # the first stage's embedding gradient at the end of a later backward, beside .grad (no autocast)
+    add("PP2 1F1B fp32, vocab 8192, seq 16, SGD: the first stage's later embedding gradient", dict(
+        W, vocab=8192, precision="fp32", gpus=2, pp=2, grad_accum=4, optimizer="sgd"))
     return c
 
 

@@ -58,6 +58,8 @@ ROWS = {
     97: "fake world 16, Ulysses CP 4 x FSDP2 ZeRO-3",
     122: "pipelining under one autocast region, full recompute: the step's cast cache",
     124: "pipelining under autocast, weight-heavy: a later backward's end, weight gradients waiting for their casts",
+    130: "grad-accum under AMP: a later LM-head backward's new gradient and its cast beside .grad",
+    132: "a tied head's gradient held in autograd's input buffer to the end of backward",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

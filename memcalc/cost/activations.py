@@ -947,6 +947,12 @@ class StageActivations:
     # the same moment in a later micro-batch's backward (pipelining, gradient accumulation): as many units held
     # as at its start, the layer's transients on top (0 with one micro-batch)
     backward_later_layer_bytes: Num
+    # the end of the first backward beyond what the loop keeps: a tied head's held gradient and the embedding's,
+    # whose sum becomes `.grad` (`_tied_held_grad`)
+    backward_end_bytes: Num
+    # the LM head's backward in a later micro-batch (torch, .grad accumulated in place): the head's new weight
+    # gradient beside the accumulated one (`_later_head_backward`; _NEVER where not modelled)
+    backward_later_head_bytes: Num
     # the end of a later micro-batch's backward under torch pipelining's step-wide autocast: every compute-dtype
     # weight gradient waits for its cast node (`_later_backward_end`; _NEVER where that does not happen)
     backward_later_end_bytes: Num
@@ -1464,6 +1470,54 @@ def _residual_grad_bytes(run: Run) -> Num:
     return _stream_bytes(run, c) * tok_sp * run.model.hidden
 
 
+def _tied_held_grad(run: Run, stage: Num) -> Num:
+    """A tied LM head's weight gradient held by autograd until the embedding's arrives (pp = 1, torch, not FSDP2):
+    the shared matrix's AccumulateGrad node has two inputs, so the head's gradient waits in its input buffer from
+    the head's backward to the end of backward, where the embedding's dense gradient is added out of place (their
+    sum goes to `.grad`). `p*V*h/t` bytes, 0 elsewhere. Measured: docs/validation.md rows 132-133."""
+    m, t = run.model, run.training
+    if run.profile != "torch" or not m.tied_embeddings or not _head_trains(run) or t.quantize_head:
+        return 0
+    fsdp = where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
+    word = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
+    if m.params_override is not None:
+        word = muldiv(word, m.params_override, shape_params(m))
+    return where((run.pp == 1) & (fsdp == 0), DTYPE_BYTES[run.recipe.param_dtype] * word, 0)
+
+
+def _later_head_backward(run: Run, stage: Num, held: Num) -> tuple[Num, Num]:
+    """(activations at the LM head's backward in a later micro-batch, on the last stage, or _NEVER; the head's new
+    parameter-dtype weight gradient, 0 where the moment is not modelled). `held` (what
+    the later backward holds at its loss gradient, without the loss's transients) less what the loss saved (freed
+    by its backward), plus the logits' gradient in the matmul's dtype, the head input's gradient and the head's
+    new weight gradient, which AccumulateGrad then adds in place to the `.grad` the earlier micro-batches made
+    (so it is a temporary beside all of the gradients: `p*V*h/t`). Under autocast the matmul makes it in the
+    compute dtype; the head's cast node runs next (pp = 1: made by this micro-batch's forward) and makes the
+    parameter-dtype gradient while the compute-dtype one is live and the saved weight copy is freed: the larger
+    of that moment and the matmul's. Under torch pipelining the cast node waits (`_later_backward_end`). The
+    torch profile with gradients in `.grad` (not FSDP2's sharded ones), the full loss, a training, unquantized
+    head. Measured: docs/validation.md rows 129-131."""
+    t = run.training
+    if run.profile != "torch" or t.loss != "full" or not _head_trains(run) or t.quantize_head:
+        return _NEVER, 0
+    m = run.model
+    c, _, _, tok_in = _shape(run)
+    p = DTYPE_BYTES[run.recipe.param_dtype]
+    head = head_params(m, run.profile, run.tp)
+    if m.params_override is not None:
+        head = muldiv(head, m.params_override, shape_params(m))
+    base = held - _loss_freed(run)
+    at_mm = base + c * _logit_elems(run) + c * tok_in * m.hidden
+    ac = _autocast(run)
+    dw = where(ac == 1, c * head, p * head)
+    # the cast's moment: the logits' gradient freed, the input gradient cast to the stream's dtype, and the
+    # compute-dtype weight gradient in place of the freed weight copy (buffers' `amp_weight_casts`)
+    at_cast = where((ac == 1) & (run.pp == 1), base + _residual_grad_bytes(run) + p * head, _NEVER)
+    fsdp = where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
+    occurs = (stage == run.pp - 1) & (fsdp == 0)
+    return where(occurs, imax(at_mm + dw, at_cast), _NEVER), where(occurs, p * head, 0)
+
+
 def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[Num, Num]:
     """(activations at the end of a later micro-batch's backward under torch pipelining with autocast, or _NEVER;
     the weight gradients' part of them, 0 where the moment does not occur). The autocast region is the whole
@@ -1474,8 +1528,10 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[N
     the last layer's down projection. On the first stage the embedding's node (made by this micro-batch, so newer)
     runs before them: its dense gradient beside the residual stream's. Also live: the other micro-batches in
     flight (`others`), this one's stage output (`fwd_cache`), the sends' references (`sent`) and, on a stage that
-    sends one, this backward's input gradient. Interleaved: one model chunk's casts (the stage's / vpp; the head's
-    on the last), taken with the most chunks held, an upper bound. Measured: docs/validation.md rows 124-128."""
+    sends one, this backward's input gradient. Without that region (no autocast, or pp = 1) only the first stage's
+    new embedding gradient is there beside `.grad` (and a tied head's, `_tied_held_grad`). Interleaved: one model
+    chunk's casts (the stage's / vpp; the head's on the last), taken with the most chunks held, an upper bound.
+    Measured: docs/validation.md rows 124-128, 134."""
     m = run.model
     if run.profile != "torch":
         return _NEVER, 0
@@ -1497,7 +1553,17 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[N
     tail = where(first, emb, grad_in + newest)
     out_one = every_stage_terms(run, stage).get("pipeline_output", 0)
     occurs = (run.pp > 1) & (_autocast(run) == 1)
-    return where(occurs, others + out_one + sent + waiting + tail, _NEVER), where(occurs, waiting + tail, 0)
+    # without that autocast region each gradient is added to `.grad` as it is made: at the end of the backward only
+    # the embedding's new dense gradient beside the residual stream's, on the first stage (not under FSDP2, whose
+    # gradients are unsharded buffers reduce-scattered per unit)
+    fsdp = where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
+    plain = first & (fsdp == 0) & ("embeddings" not in frozen)
+    # a tied head's gradient waits for it (`_tied_held_grad`): then their sum, then added to `.grad` in place
+    tied = _tied_held_grad(run, stage)
+    plain_tail = where(tied > 0, imax(grad_in + 2 * tied, 3 * tied), grad_in + p * word)
+    end = where(occurs, others + out_one + sent + waiting + tail,
+                where(plain, others + out_one + sent + plain_tail, _NEVER))
+    return end, where(occurs, waiting + tail, where(plain, plain_tail, 0))
 
 
 def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
@@ -1743,7 +1809,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         detail["dequantized_weight_transient"] = biggest + _dequant_cast(run, biggest, 0)
     detail["cp_ring_kv_transient"] = ring_bwd
     detail["pipeline_sent_transient"] = sent
-    detail["cast_weight_grads_transient"] = where(total_units > 1, cast_grads, 0)
+    detail["later_backward_end_grads_transient"] = where(total_units > 1, cast_grads, 0)
+    later_head, head_dw = _later_head_backward(run, stage, held_later + w_last + sent) if not off else (_NEVER, 0)
+    detail["later_head_weight_grad_transient"] = where(total_units > 1, head_dw, 0)
     one_layer = 0 if off else unit_bytes // imax(unit_layers, 1)  # a layer's share of what `held` counts
     # offloading: the k-th layer backward (`StageActivations.offloaded_layer_at`) holds that layer's set and the
     # previous layer's, plain or checkpointed; the first (k = 0) is `backward_layer_bytes`
@@ -1799,8 +1867,11 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_later_bytes=held_later + w_last + where(total_units > 1, bwd_tr, 0) + sent,
         backward_layer_bytes=layer_bwd,
         backward_attention_bytes=attn_bwd,
-        backward_later_layer_bytes=where(total_units > 1, layer_bwd - held + held_later + sent + late_dw, 0),
+        backward_later_layer_bytes=where(total_units > 1, layer_bwd - held + held_later + sent + late_dw
+                                         + _tied_held_grad(run, stage), 0),
+        backward_end_bytes=2 * _tied_held_grad(run, stage),
         backward_later_end_bytes=where(total_units > 1, later_end, _NEVER),
+        backward_later_head_bytes=where(total_units > 1, later_head, _NEVER),
         layer_k_extra_bytes=layer_k_extra,
         forward_head_bytes=base + w_last + where(last, _head_moment(run, logits, dq_head_fwd), 0),
         forward_layer_bytes=base - one_layer + w_prev,

@@ -323,9 +323,11 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
           for k in (_switch_layers(act) if offloaded else ())],
         later_loss,
         if_later(moment(later_g, act.backward_later_layer_bytes, buf("backward_layer"))),
+        # its LM head's backward: the head's new weight gradient beside the accumulated ones
+        if_later(moment(later_g, act.backward_later_head_bytes, buf("backward"))),
         # its end under torch pipelining's step-wide autocast (the weights' compute-dtype gradients waiting)
         if_later(moment(later_g, act.backward_later_end_bytes, buf("backward_end"))),
-        moment(grads, act.loss_kept_bytes + act.graph_held_bytes, buf("backward_end")),
+        moment(grads, act.loss_kept_bytes + act.graph_held_bytes + act.backward_end_bytes, buf("backward_end")),
     ]
     return fwd, bwd, moment(grads, act.loss_kept_bytes + prev, buf("optimizer"), opt), (first_loss, later_loss)
 
