@@ -332,6 +332,10 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     # the first stage's embedding gradient at the end of a later backward, beside .grad (no autocast)
     add("PP2 1F1B fp32, vocab 8192, seq 16, SGD: the first stage's later embedding gradient", dict(
         W, vocab=8192, precision="fp32", gpus=2, pp=2, grad_accum=4, optimizer="sgd"))
+    # FSDP2 ZeRO-3 with a root unit (embedding, head) far above a layer: the first layer's copy-out holds the
+    # root's all-gather output beside its unsharded parameters; its reduce-scatter comes before its sharded grads
+    add("fake FSDP2 ZeRO-3 fp32, world 2, vocab 8192, seq 8: the root's all-gather at the first layer",
+        dict(V, precision="fp32", gpus=2, zero=3, grad_accum=1, optimizer="adamw"), world="fake", device="cpu")
     return c
 
 

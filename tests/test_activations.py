@@ -879,6 +879,9 @@ def test_later_backward_end_under_autocast_holds_every_weight_gradient_waiting_f
     assert stage_activations(bf16, 0).detail["later_backward_end_grads_transient"] == 131_072 + 4_096
     assert stage_activations(fp32, 1).detail["later_backward_end_grads_transient"] == 0
     assert stage_activations(fp32, 1).backward_later_end_bytes < 0
+    # LoRA: the embedding is frozen (no gradient at all)
+    lora = build_run(RunOptions(**kw, precision="bf16", lora_rank=4))
+    assert stage_activations(lora, 0).detail["later_backward_end_grads_transient"] == 0
     one = build_run(RunOptions(**{**kw, "grad_accum": 1}, precision="bf16"))
     assert stage_activations(one, 0).detail["later_backward_end_grads_transient"] == 0
     assert stage_activations(one, 0).backward_later_end_bytes < 0

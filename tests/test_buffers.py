@@ -176,7 +176,10 @@ def test_fsdp2_zero3_working_set():
     assert b["fsdp_forward_gather"].bytes == 2 * layer
     assert b["fsdp_forward_gather"].phases == {"forward_head", "forward_layer"}
     assert b["fsdp_forward_working_set"].bytes == 2 * 2 * layer
-    assert b["fsdp_forward_working_set"].phases == {"forward_layer", "forward_layer_end"}
+    assert b["fsdp_forward_working_set"].phases == {"forward_layer", "forward_layer_end", "forward_first_layer"}
+    # the first layer's copy-out (pp = 1) also holds the root's all-gather output (freed by that copy-out)
+    assert b["fsdp_root_gather_at_first_layer"].bytes == 2 * root
+    assert b["fsdp_root_gather_at_first_layer"].phases == {"forward_first_layer"}
     # torchtitan's default: the last layer is not resharded after its forward (its backward follows at once), so
     # it stays gathered through the loss; with pipelining every layer is resharded here (memcalc's ZeRO-3)
     assert b["fsdp_last_unit_kept"].bytes == 2 * layer
@@ -403,3 +406,22 @@ def test_pipelining_keeps_the_autocast_copies_and_the_batch_for_the_step():
     assert stage_buffers(run(precision="bf16", grad_accum=4))["amp_weight_casts_step_cache"].bytes == 0  # pp = 1
     assert plain["pipeline_batch_tokens"].bytes == 2 * 8 * 4 * 128 == 8_192
     assert stage_buffers(run(precision="bf16", grad_accum=4))["pipeline_batch_tokens"].bytes == 0
+
+
+def test_fsdp2_root_reduce_scatter_precedes_its_sharded_grads():
+    """FSDP2 ZeRO-3 over 2 ranks, fp32, 2 layers of h 64, V 8192 (untied): the root unit is the embedding and the
+    head, 2 x 8192 x 64 = 1,048,576 elements, and the final norm's 64. At the root's reduce-scatter (the end of the
+    step's first backward) its sharded gradients, 4 B x 1,048,640 / 2 = 2,097,280 B, come only from that
+    reduce-scatter's output: the moment holds the other units' shards only. Measured: docs/validation.md row 135
+    (+12.1% on the backward phase before)."""
+    from memcalc.cost.buffers import fsdp_root_shard_grad_bytes
+    from memcalc.cost.timeline import stage_memory
+    from memcalc.options import RunOptions, build_run
+
+    kw = dict(layers=2, hidden=64, heads=4, ffn=176, vocab=8192, seq=8, precision="fp32", gpus=2, zero=3)
+    r = build_run(RunOptions(**kw))
+    assert fsdp_root_shard_grad_bytes(r, 0) == 4 * (2 * 8192 * 64 + 64) // 2 == 2_097_280
+    sm = stage_memory(r, 0)
+    assert sm.states.grads - 2_097_280 == 201_216  # the two layers' shards: 2 x 100,608 B
+    # DDP and ZeRO-1 keep no such unit
+    assert fsdp_root_shard_grad_bytes(build_run(RunOptions(**{**kw, "zero": 1})), 0) == 0

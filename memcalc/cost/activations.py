@@ -960,6 +960,9 @@ class StageActivations:
     forward_head_bytes: Num
     # eager attention's core in that last layer's forward (`eager_attention_forward`; _NEVER where not modelled)
     forward_attention_bytes: Num
+    # FSDP2 ZeRO-3 (pp = 1): the first layer's copy-out, the root's all-gather output still live; only the
+    # embedding's output and saved terms exist yet (`_first_layer_copy_out`; _NEVER elsewhere)
+    forward_first_layer_bytes: Num
     # the start of the last layer's forward of the last micro-batch before a backward: everything held but that
     # layer's activations and the loss / LM-head terms (FSDP2 has just gathered the layer's parameters)
     forward_layer_bytes: Num
@@ -1485,6 +1488,21 @@ def _tied_held_grad(run: Run, stage: Num) -> Num:
     return where((run.pp == 1) & (fsdp == 0), DTYPE_BYTES[run.recipe.param_dtype] * word, 0)
 
 
+def _first_layer_copy_out(run: Run, stage: Num) -> Num:
+    """FSDP2 ZeRO-3 with pp = 1: activations at the first layer's copy-out, or _NEVER. The root unit's all-gather
+    output is freed only by the next unit's copy-out (buffers `fsdp_root_gather_at_first_layer`), so the first
+    layer's gather holds two copies of the root beside its own all-gather output and unsharded parameters; of the
+    micro-batch only the embedding's output and what the embedding and the rotary tables saved exist. The moment
+    dominates where the root outweighs a layer's working set and the activations (large vocabularies, short
+    sequences)."""
+    if run.profile != "torch" or run.zero < 3:
+        return _NEVER
+    c, _, tok_sp, _ = _shape(run)
+    early = sum(first_stage_terms(run).values()) + every_stage_terms(run, stage).get("rotary_cos_sin", 0)
+    early = early + _stream_bytes(run, c) * tok_sp * run.model.hidden
+    return where((run.pp == 1) & (run.shard_degree > 1), early, _NEVER)
+
+
 def _later_head_backward(run: Run, stage: Num, held: Num) -> tuple[Num, Num]:
     """(activations at the LM head's backward in a later micro-batch, on the last stage, or _NEVER; the head's new
     parameter-dtype weight gradient, 0 where the moment is not modelled). `held` (what
@@ -1557,7 +1575,8 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[N
     # the embedding's new dense gradient beside the residual stream's, on the first stage (not under FSDP2, whose
     # gradients are unsharded buffers reduce-scattered per unit)
     fsdp = where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
-    plain = first & (fsdp == 0) & ("embeddings" not in frozen)
+    # (LoRA: the embedding is frozen; the autocast case above never has LoRA, `_autocast`)
+    plain = first & (fsdp == 0) & ("embeddings" not in frozen) & (run.training.lora_rank is None)
     # a tied head's gradient waits for it (`_tied_held_grad`): then their sum, then added to `.grad` in place
     tied = _tied_held_grad(run, stage)
     plain_tail = where(tied > 0, imax(grad_in + 2 * tied, 3 * tied), grad_in + p * word)
@@ -1875,6 +1894,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         layer_k_extra_bytes=layer_k_extra,
         forward_head_bytes=base + w_last + where(last, _head_moment(run, logits, dq_head_fwd), 0),
         forward_layer_bytes=base - one_layer + w_prev,
+        forward_first_layer_bytes=_first_layer_copy_out(run, stage),
         forward_attention_bytes=attn_fwd,
         forward_layer_end_bytes=base + pair + layer_out,
         backward_post_bytes=base_bwd - one_layer + w_prev + _residual_grad_bytes(run),

@@ -66,7 +66,7 @@ Num = Any
 # prefetch: every layer's backward moments but the stage's last layer's).
 ALL_PHASES: frozenset[str] = frozenset(
     {"forward", "forward_head", "forward_layer", "forward_layer_end", "backward", "backward_layer", "backward_post",
-     "backward_end", "optimizer"}
+     "backward_end", "optimizer", "forward_first_layer"}
 )
 FWD_BWD: frozenset[str] = frozenset({"forward", "forward_head", "forward_layer", "forward_layer_end", "backward",
                                      "backward_layer", "backward_post"})
@@ -315,6 +315,21 @@ def _fsdp_flat_units(run: Run, stage: Num) -> tuple[Num, Num]:
     return layer_flat, root_flat
 
 
+def fsdp_root_shard_grad_bytes(run: Run, stage: Num) -> Num:
+    """FSDP2 (ZeRO-2/3 over more than one rank): this rank's sharded gradients of the stage's root unit
+    (embedding, final norm, LM head), made from the root's reduce-scatter output at the end of backward: not yet
+    allocated when that reduce-scatter starts in the step's first micro-batch (timeline, the end of backward;
+    measured, docs/validation.md row 135). Trainable share only (LoRA / --freeze); 0 elsewhere."""
+    if run.profile != "torch" or run.zero < 2:
+        return 0
+    d = run.shard_degree
+    dense_s, expert_s = stage_layer_params(run, stage)
+    n = _stage_elems(run, stage)
+    root = imax(n - _scaled(run, dense_s + expert_s), 0)
+    share = muldiv(root, _trainable_elems(run, stage), imax(n, 1))
+    return where(d > 1, DTYPE_BYTES[run.recipe.grad_dtype] * cdiv(share, d), 0)
+
+
 def fsdp_backward_release_bytes(run: Run, stage: Num) -> Num:
     """Bytes freed by each finished layer of backward under FSDP2 reshard_after_forward=False (ZeRO-2): the unit
     stays unsharded from its forward to its post-backward, which reshards it (`FSDPParamGroup.post_backward`:
@@ -417,7 +432,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     share_num, share_den = n_train, imax(n, 1)  # only trainable parameters produce gradients (LoRA / --freeze)
     # not at backward_end: the root's post-backward reshards it before its reduce-scatter, like every unit's
     keep = frozenset({"forward", "forward_head", "forward_layer", "forward_layer_end", "backward", "backward_layer",
-                      "backward_post"})
+                      "backward_post", "forward_first_layer"})
     if run.zero == 2:
         # reshard_after_forward=False: every unit stays unsharded from its forward to its post-backward
         out["fsdp_unsharded_params"] = Buffer(where(sharded, cb * stage_flat, 0), keep,
@@ -450,9 +465,17 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         # unsharded parameters (padded storage); at the copy-out also the previous unit's all-gather output
         # (below, freed only by this copy-out); the previous unit itself was resharded after its forward
         out["fsdp_forward_working_set"] = Buffer(where(sharded, 2 * cb * layer_flat, 0),
-                                                 frozenset({"forward_layer", "forward_layer_end"}),
+                                                 frozenset({"forward_layer", "forward_layer_end",
+                                                            "forward_first_layer"}),
                                                  "FSDP2 last unit's all-gather output and unsharded params",
                                                  side_stream_bytes=where(sharded, cb * layer_flat, 0))
+        # the first layer's copy-out: the root's all-gather output is still live (freed by the next copy-out),
+        # beside the root's unsharded parameters and the first layer's working set (timeline: a forward moment
+        # with only the embedding's output; measured, docs/validation.md row 135)
+        out["fsdp_root_gather_at_first_layer"] = Buffer(
+            where(sharded, cb * root_flat, 0), frozenset({"forward_first_layer"}),
+            "FSDP2 root unit's all-gather output, freed by the first layer's copy-out",
+            side_stream_bytes=where(sharded, cb * root_flat, 0))
     gather_at = {"forward_head", "forward_layer"} | ({"forward_layer_end"} if run.zero == 2 else set())
     out["fsdp_forward_gather"] = Buffer(where(sharded, cb * layer_flat, 0), frozenset(gather_at),
                                         "FSDP2 all-gather output of the last unit, freed after the forward",
@@ -474,8 +497,9 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     # from the second unit on, the previous unit's reduce-scatter input stays in flight until the next unit's
     # post-backward (comm_ctx.reduce_scatter_states, reduce_scatter_max_input_buffers = 1, _fsdp_param_group.py)
     out["fsdp_reduce_scatter_in_flight"] = Buffer(
-        where(sharded, muldiv(rb * layer_flat, share_num, share_den), 0), frozenset({"backward_layer_next"}),
-        "previous unit's reduce-scatter input, in flight during the next unit's backward")
+        where(sharded, muldiv(rb * layer_flat, share_num, share_den), 0), frozenset({"backward_layer_next",
+                                                                                      "backward_end"}),
+        "previous unit's reduce-scatter input, in flight during the next unit's backward and at the root's")
     # end of backward: the root's unsharded grads and its reduce-scatter input (flat, padded, reduce dtype)
     out["fsdp_root_reduce_scatter"] = Buffer(
         where(sharded, muldiv(cb * root + rb * root_flat, share_num, share_den), 0), frozenset({"backward_end"}),

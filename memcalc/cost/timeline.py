@@ -30,6 +30,7 @@ from memcalc.cost.activations import loop_holds_graph, stage_activations
 from memcalc.cost.buffers import (
     amp_casts_freed_at_attention,
     fsdp_backward_release_bytes,
+    fsdp_root_shard_grad_bytes,
     side_stream_pools,
     stage_buffers,
 )
@@ -182,16 +183,18 @@ def _peak(phases: tuple[Phase, ...]) -> Num:
     return peak
 
 
-def _layer_shares(run: Run, stage: Num) -> tuple[Num, Num, Num]:
+def _layer_shares(run: Run, stage: Num) -> tuple[Num, Num, Num, Num]:
     """What each finished layer of backward changes: (elements of one layer, of the stage), i.e. one layer's share
-    of the stage's gradients, and the buffer bytes it frees (`buffers.fsdp_backward_release_bytes`)."""
+    of the stage's gradients, and the buffer bytes it frees (`buffers.fsdp_backward_release_bytes`); and FSDP2's
+    root sharded gradient bytes, not yet made at the root's reduce-scatter (`buffers.fsdp_root_shard_grad_bytes`)."""
     dense_l, expert_l = layer_params(run.model, run.tp, run.ep)
     dense_s, expert_s = stage_params(run, stage)
-    return dense_l + expert_l, imax(dense_s + expert_s, 1), fsdp_backward_release_bytes(run, stage)
+    return (dense_l + expert_l, imax(dense_s + expert_s, 1), fsdp_backward_release_bytes(run, stage),
+            fsdp_root_shard_grad_bytes(run, stage))
 
 
 def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
-            shares: tuple[Num, Num, Num]) -> tuple[Phase, ...]:
+            shares: tuple[Num, Num, Num, Num]) -> tuple[Phase, ...]:
     """The phases of the step: each the highest of its moments (`_moments`)."""
     fwd, bwd, opt, _ = _moments(run, s, act, at, grads, first_grads, shares)
     return (
@@ -202,7 +205,7 @@ def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, 
 
 
 def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
-                   shares: tuple[Num, Num, Num], stranded: Num) -> tuple[Num, Num]:
+                   shares: tuple[Num, Num, Num, Num], stranded: Num) -> tuple[Num, Num]:
     """(highest total over every moment of the step, the same with `stranded` bytes added at the loss gradient:
     the first backward's, and a later micro-batch's where there is one)."""
     fwd, bwd, opt, losses = _moments(run, s, act, at, grads, first_grads, shares)
@@ -214,7 +217,7 @@ def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads
 
 
 def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
-             shares: tuple[Num, Num, Num]) -> tuple[list[dict[str, Num]], list[dict[str, Num]], dict[str, Num],
+             shares: tuple[Num, Num, Num, Num]) -> tuple[list[dict[str, Num]], list[dict[str, Num]], dict[str, Num],
                                                tuple[dict[str, Num], dict[str, Num]]]:
     """The candidate moments of forward and backward and the optimizer step, from the states, the activations, the
     buffer bytes live per moment (`at`) and the gradient bytes counted (all of them for the allocated timeline;
@@ -264,6 +267,8 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         moment(later_fwd_g, act.forward_layer_bytes + f_prev - old_logits, buf("forward_layer")),
         moment(later_fwd_g, act.forward_attention_bytes + f_prev - old_logits, buf("forward_layer")),
         moment(later_fwd_g, act.forward_layer_end_bytes + f_prev - old_logits, buf("forward_layer_end")),
+        # FSDP2 ZeRO-3: the first layer's copy-out, the root's all-gather output still live
+        moment(later_fwd_g, act.forward_first_layer_bytes + f_prev - old_logits, buf("forward_first_layer")),
     ]
     # backward: the loss gradient (start of the first backward), the first layer's backward (loss terms freed,
     # the layer's gradient transients and the first weight gradients live), the start of a later backward
@@ -282,7 +287,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # the ends of backward, not per layer; FSDP2 reduces the root's only at the end). FSDP2 prefetches the next
     # unit in every layer's backward but the stage's last layer's ("backward_prefetch").
     a, n_l = act.layer_freed_bytes, act.layers
-    layer_elems, stage_elems, rel = shares  # rel: buffer bytes a finished layer frees (FSDP2 ZeRO-2's reshard)
+    layer_elems, stage_elems, rel, root_shard = shares  # rel: buffer bytes a finished layer frees (FSDP2 ZeRO-2's reshard)
     g = 0 * grads if s.grads_persistent else muldiv(grads, layer_elems, stage_elems)
     more = n_l > 1
     k_last = imax(n_l - 1, 1)
@@ -327,7 +332,10 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         if_later(moment(later_g, act.backward_later_head_bytes, buf("backward"))),
         # its end under torch pipelining's step-wide autocast (the weights' compute-dtype gradients waiting)
         if_later(moment(later_g, act.backward_later_end_bytes, buf("backward_end"))),
-        moment(grads, act.loss_kept_bytes + act.graph_held_bytes + act.backward_end_bytes, buf("backward_end")),
+        # FSDP2: the root's reduce-scatter, whose output makes the root's sharded gradients (none yet in the step's
+        # first micro-batch)
+        moment(where(later, grads, grads - root_shard), act.loss_kept_bytes + act.graph_held_bytes
+               + act.backward_end_bytes, buf("backward_end")),
     ]
     return fwd, bwd, moment(grads, act.loss_kept_bytes + prev, buf("optimizer"), opt), (first_loss, later_loss)
 
