@@ -315,6 +315,12 @@ def _fsdp_flat_units(run: Run, stage: Num) -> tuple[Num, Num]:
     return layer_flat, root_flat
 
 
+def _root_elems(run: Run, stage: Num) -> Num:
+    """Unpadded elements of the stage's FSDP2 root unit: all but its layers (embedding, final norm, LM head)."""
+    dense_s, expert_s = stage_layer_params(run, stage)
+    return imax(_stage_elems(run, stage) - _scaled(run, dense_s + expert_s), 0)
+
+
 def fsdp_root_shard_grad_bytes(run: Run, stage: Num) -> Num:
     """FSDP2 (ZeRO-2/3 over more than one rank): this rank's sharded gradients of the stage's root unit
     (embedding, final norm, LM head), made from the root's reduce-scatter output at the end of backward: not yet
@@ -323,10 +329,8 @@ def fsdp_root_shard_grad_bytes(run: Run, stage: Num) -> Num:
     if run.profile != "torch" or run.zero < 2:
         return 0
     d = run.shard_degree
-    dense_s, expert_s = stage_layer_params(run, stage)
     n = _stage_elems(run, stage)
-    root = imax(n - _scaled(run, dense_s + expert_s), 0)
-    share = muldiv(root, _trainable_elems(run, stage), imax(n, 1))
+    share = muldiv(_root_elems(run, stage), _trainable_elems(run, stage), imax(n, 1))
     return where(d > 1, DTYPE_BYTES[run.recipe.grad_dtype] * cdiv(share, d), 0)
 
 
@@ -426,8 +430,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     m = run.model
     layer = _scaled(run, padded_shard_elems(layer_tensor_shapes(run), 1))
     layer_flat, root_flat = _fsdp_flat_units(run, stage)
-    dense_s, expert_s = stage_layer_params(run, stage)
-    root = imax(n - _scaled(run, dense_s + expert_s), 0)
+    root = _root_elems(run, stage)
     stage_flat = _scaled(run, d * padded_shard_elems(stage_tensor_shapes(run, stage), d))
     share_num, share_den = n_train, imax(n, 1)  # only trainable parameters produce gradients (LoRA / --freeze)
     # not at backward_end: the root's post-backward reshards it before its reduce-scatter, like every unit's

@@ -6,7 +6,8 @@ Contract used by estimate.py and the planner (array-polymorphic like the rest of
 per category at that moment. `allocated_peak` is the elementwise maximum of the phase totals.
 
 Phases (docs/methodology.md, "Activations" sec. 7), each the highest of its candidate moments:
-- forward: the loss of the last forward before a backward (held activations + the logits and their fp32 upcast,
+- forward: FSDP2 ZeRO-3's first layer copy-out (the root's all-gather output still live); the loss of the last
+  forward before a backward (held activations + the logits and their fp32 upcast,
   or context-parallel ring buffers), the LM head matmul just before it (FSDP2's last all-gather still live), or
   the start or end of the last layer's forward (FSDP2 ZeRO-3's gathered layer buffers).
   Gradients only where the framework keeps them between steps (`ModelStates.grads_persistent`: Megatron's and
@@ -14,8 +15,9 @@ Phases (docs/methodology.md, "Activations" sec. 7), each the highest of its cand
 - backward: the loss gradient; inside the first layer's backward (`activations.layer_backward_transient`, a
   re-materialised layer, the first weight gradients) and at its end (FSDP2's post-backward); the second and the
   last layer (each layer frees its activations and adds its gradients, linear in between); the start of a later
-  micro-batch's backward, its first layer's backward and, under torch pipelining with autocast, its end; the end
-  of backward (FSDP2's root reduce-scatter).
+  micro-batch's backward, its first layer's backward, its LM head's backward (the head's new weight gradient
+  beside `.grad`) and its end (the embedding's, and under torch pipelining with autocast every weight's); the end
+  of backward (FSDP2's root reduce-scatter, a tied head's held gradient).
 - optimizer: no activations (but lit-gpt's logits list, `loss_kept_bytes`); all gradients and the optimizer's
   temporaries (buffers).
 Buffers (memcalc/cost/buffers.py) add their bytes to the phases each one names.
@@ -287,7 +289,8 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # the ends of backward, not per layer; FSDP2 reduces the root's only at the end). FSDP2 prefetches the next
     # unit in every layer's backward but the stage's last layer's ("backward_prefetch").
     a, n_l = act.layer_freed_bytes, act.layers
-    layer_elems, stage_elems, rel, root_shard = shares  # rel: buffer bytes a finished layer frees (FSDP2 ZeRO-2's reshard)
+    # rel: buffer bytes a finished layer frees (FSDP2 ZeRO-2's reshard)
+    layer_elems, stage_elems, rel, root_shard = shares
     g = 0 * grads if s.grads_persistent else muldiv(grads, layer_elems, stage_elems)
     more = n_l > 1
     k_last = imax(n_l - 1, 1)
