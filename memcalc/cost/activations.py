@@ -30,12 +30,12 @@ from memcalc.cost.params import (
     head_params,
     mlp_width,
     padded_vocab,
-    shape_params,
+    scaled,
     stage_dense_layers,
     stage_layers,
 )
 from memcalc.specs import DTYPE_BYTES, Run, lora_projections
-from memcalc.xp import cdiv, imax, imin, muldiv, where
+from memcalc.xp import cdiv, imax, imin, where
 
 Num = Any
 
@@ -1473,6 +1473,12 @@ def _residual_grad_bytes(run: Run) -> Num:
     return _stream_bytes(run, c) * tok_sp * run.model.hidden
 
 
+def _fsdp_sharded(run: Run) -> Num:
+    """1 where FSDP2 shards the gradients (ZeRO-2/3 over more than one rank: unsharded gradient buffers reduced per
+    unit, not `.grad` accumulated in place), else 0."""
+    return where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
+
+
 def _tied_held_grad(run: Run, stage: Num) -> Num:
     """A tied LM head's weight gradient held by autograd until the embedding's arrives (pp = 1, torch, not FSDP2):
     the shared matrix's AccumulateGrad node has two inputs, so the head's gradient waits in its input buffer from
@@ -1481,11 +1487,8 @@ def _tied_held_grad(run: Run, stage: Num) -> Num:
     m, t = run.model, run.training
     if run.profile != "torch" or not m.tied_embeddings or not _head_trains(run) or t.quantize_head:
         return 0
-    fsdp = where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
     word = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
-    if m.params_override is not None:
-        word = muldiv(word, m.params_override, shape_params(m))
-    return where((run.pp == 1) & (fsdp == 0), DTYPE_BYTES[run.recipe.param_dtype] * word, 0)
+    return where((run.pp == 1) & (_fsdp_sharded(run) == 0), DTYPE_BYTES[run.recipe.param_dtype] * scaled(run, word), 0)
 
 
 def _first_layer_copy_out(run: Run, stage: Num) -> Num:
@@ -1521,9 +1524,7 @@ def _later_head_backward(run: Run, stage: Num, held: Num) -> tuple[Num, Num]:
     m = run.model
     c, _, _, tok_in = _shape(run)
     p = DTYPE_BYTES[run.recipe.param_dtype]
-    head = head_params(m, run.profile, run.tp)
-    if m.params_override is not None:
-        head = muldiv(head, m.params_override, shape_params(m))
+    head = scaled(run, head_params(m, run.profile, run.tp))
     base = held - _loss_freed(run)
     at_mm = base + c * _logit_elems(run) + c * tok_in * m.hidden
     ac = _autocast(run)
@@ -1531,8 +1532,7 @@ def _later_head_backward(run: Run, stage: Num, held: Num) -> tuple[Num, Num]:
     # the cast's moment: the logits' gradient freed, the input gradient cast to the stream's dtype, and the
     # compute-dtype weight gradient in place of the freed weight copy (buffers' `amp_weight_casts`)
     at_cast = where((ac == 1) & (run.pp == 1), base + _residual_grad_bytes(run) + p * head, _NEVER)
-    fsdp = where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
-    occurs = (stage == run.pp - 1) & (fsdp == 0)
+    occurs = (stage == run.pp - 1) & (_fsdp_sharded(run) == 0)
     return where(occurs, imax(at_mm + dw, at_cast), _NEVER), where(occurs, p * head, 0)
 
 
@@ -1559,9 +1559,7 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[N
     head = where(last, head_params(m, run.profile, run.tp), 0) if "head" not in frozen else 0
     down = m.hidden * cdiv(mlp_width(m), run.tp)
     word = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
-    if m.params_override is not None:
-        full = shape_params(m)
-        head, down, word = (muldiv(x, m.params_override, full) for x in (head, down, word))
+    head, down, word = scaled(run, head), scaled(run, down), scaled(run, word)
     waiting = c * cast_grad_elems(run, stage)
     if run.schedule == "interleaved":
         waiting = (waiting - c * head) // run.vpp + c * head
@@ -1574,9 +1572,8 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[N
     # without that autocast region each gradient is added to `.grad` as it is made: at the end of the backward only
     # the embedding's new dense gradient beside the residual stream's, on the first stage (not under FSDP2, whose
     # gradients are unsharded buffers reduce-scattered per unit)
-    fsdp = where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
     # (LoRA: the embedding is frozen; the autocast case above never has LoRA, `_autocast`)
-    plain = first & (fsdp == 0) & ("embeddings" not in frozen) & (run.training.lora_rank is None)
+    plain = first & (_fsdp_sharded(run) == 0) & ("embeddings" not in frozen) & (run.training.lora_rank is None)
     # a tied head's gradient waits for it (`_tied_held_grad`): then their sum, then added to `.grad` in place
     tied = _tied_held_grad(run, stage)
     plain_tail = where(tied > 0, imax(grad_in + 2 * tied, 3 * tied), grad_in + p * word)

@@ -29,7 +29,6 @@ from memcalc.cost.params import (
     after_core_layer_elems,
     first_backward_grad_elems,
     head_params,
-    layer_norms,
     dense_layer_params,
     first_dense_layers,
     layer_params,
@@ -43,10 +42,9 @@ from memcalc.cost.params import (
     zero1_partition_applies,
     zero1_rank_elems,
     root_tensor_shapes,
-    shape_params,
+    scaled,
     stage_dense_layers,
     stage_layer_params,
-    stage_layers,
     stage_param_split,
     stage_params,
 )
@@ -112,13 +110,6 @@ def _knob(run: Run, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _scaled(run: Run, x: Num) -> Num:
-    """Apply `--params N` scaling exactly as params.stage_params / largest_unit_params do."""
-    m = run.model
-    if m.params_override is None:
-        return x
-    return muldiv(x, m.params_override, shape_params(m))
-
 
 def stage_units(run: Run, stage: Num) -> tuple[Num, Num]:
     """(largest, layer): unsharded parameters per TP rank of the largest FSDP / ZeRO-3 unit held by this stage
@@ -140,7 +131,7 @@ def stage_units(run: Run, stage: Num) -> tuple[Num, Num]:
     largest = imax(layer, imax(where(first, emb, 0), where(last, head_unit, 0)))
     if first_dense_layers(m):  # an MoE model's first dense layers, on the stages that hold them
         largest = imax(largest, where(stage_dense_layers(run, stage) > 0, dense_layer_params(m, tp), 0))
-    return _scaled(run, largest), _scaled(run, layer)
+    return scaled(run, largest), scaled(run, layer)
 
 
 def _stage_elems(run: Run, stage: Num) -> Num:
@@ -212,7 +203,7 @@ def _foreach_temporaries(run: Run, stage: Num) -> dict[str, Buffer]:
         for d0, row, cnt in stage_tensor_shapes(run, stage):
             largest = imax(largest, where(cnt > 0, d0 * row, 0))
         mb = DTYPE_BYTES[run.recipe.moment_dtype]
-        return {"adam_step_temporaries": Buffer(2 * mb * _scaled(run, largest), OPTIMIZER,
+        return {"adam_step_temporaries": Buffer(2 * mb * scaled(run, largest), OPTIMIZER,
                                                 "single-tensor Adam: sqrt(v) and its quotient for the largest tensor")}
     elems = _trainable_shard_elems(run, stage) if run.zero >= 1 else _trainable_elems(run, stage)
     mb = DTYPE_BYTES[run.recipe.moment_dtype]
@@ -273,7 +264,7 @@ def _amp_head_cast_saved(run: Run) -> Buffer:
     t = run.training
     if t.recompute not in ("full", "op") or t.lora_rank is not None:
         return Buffer(0, frozenset({"backward"}), "")
-    head = where(run.pp == 1, _scaled(run, head_params(run.model, run.profile, run.tp)), 0)
+    head = where(run.pp == 1, scaled(run, head_params(run.model, run.profile, run.tp)), 0)
     return Buffer(DTYPE_BYTES[run.recipe.compute_dtype] * head, frozenset({"backward"}),
                   "the LM head's autocast weight copy, saved by its matmul until its backward (recompute)")
 
@@ -310,15 +301,15 @@ def _fsdp_flat_units(run: Run, stage: Num) -> tuple[Num, Num]:
     tensor padded to a multiple of D = dp*cp, _fsdp_param.py), for a transformer layer and for this stage's root
     unit (embedding, final norm, LM head; 0 on a middle pipeline stage)."""
     d = run.shard_degree
-    layer_flat = _scaled(run, d * padded_shard_elems(layer_tensor_shapes(run), d))
-    root_flat = _scaled(run, d * padded_shard_elems(root_tensor_shapes(run, stage), d))
+    layer_flat = scaled(run, d * padded_shard_elems(layer_tensor_shapes(run), d))
+    root_flat = scaled(run, d * padded_shard_elems(root_tensor_shapes(run, stage), d))
     return layer_flat, root_flat
 
 
 def _root_elems(run: Run, stage: Num) -> Num:
     """Unpadded elements of the stage's FSDP2 root unit: all but its layers (embedding, final norm, LM head)."""
     dense_s, expert_s = stage_layer_params(run, stage)
-    return imax(_stage_elems(run, stage) - _scaled(run, dense_s + expert_s), 0)
+    return imax(_stage_elems(run, stage) - scaled(run, dense_s + expert_s), 0)
 
 
 def fsdp_root_shard_grad_bytes(run: Run, stage: Num) -> Num:
@@ -428,10 +419,10 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     # `as_strided` view of it (`FSDPParam.init_unsharded_param`), so unsharded parameters hold padded storage
     # while their gradients (allocated by autograd in the parameter's shape) do not.
     m = run.model
-    layer = _scaled(run, padded_shard_elems(layer_tensor_shapes(run), 1))
+    layer = scaled(run, padded_shard_elems(layer_tensor_shapes(run), 1))
     layer_flat, root_flat = _fsdp_flat_units(run, stage)
     root = _root_elems(run, stage)
-    stage_flat = _scaled(run, d * padded_shard_elems(stage_tensor_shapes(run, stage), d))
+    stage_flat = scaled(run, d * padded_shard_elems(stage_tensor_shapes(run, stage), d))
     share_num, share_den = n_train, imax(n, 1)  # only trainable parameters produce gradients (LoRA / --freeze)
     # not at backward_end: the root's post-backward reshards it before its reduce-scatter, like every unit's
     keep = frozenset({"forward", "forward_head", "forward_layer", "forward_layer_end", "backward", "backward_layer",

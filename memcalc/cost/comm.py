@@ -67,6 +67,7 @@ from memcalc.cost.params import (
     layer_tensor_shapes,
     padded_shard_elems,
     root_tensor_shapes,
+    scaled,
     shape_params,
     stage_first_layer,
     stage_dense_layers,
@@ -273,13 +274,6 @@ def _stream_dtype(run: Run) -> tuple[str, Num]:
     return _label(fsdp, act, r.param_dtype), where(fsdp, DTYPE_BYTES[act], DTYPE_BYTES[r.param_dtype])
 
 
-def _scaled(run: Run, x: Num) -> Num:
-    """`--params N`: scale an element count of the reference shape to N (as params.stage_params does)."""
-    m = run.model
-    if m.params_override is None:
-        return x
-    return muldiv(x, m.params_override, shape_params(m))
-
 
 # ---------------------------------------------------------------------------------------------------- builders
 
@@ -441,8 +435,8 @@ def _fsdp2_terms(run: Run, stage: Num, n: Num, seg: list[tuple[Num, Num]], ag_dt
     ga = run.grad_accum
     agb, gb = DTYPE_BYTES[ag_dtype], DTYPE_BYTES[r.grad_dtype]
     layers = stage_layers(run.model, run.pp, stage)
-    blk = _scaled(run, padded_shard_elems(layer_tensor_shapes(run), n) * n)
-    root = _scaled(run, padded_shard_elems(root_tensor_shapes(run, stage), n) * n)
+    blk = scaled(run, padded_shard_elems(layer_tensor_shapes(run), n) * n)
+    root = scaled(run, padded_shard_elems(root_tensor_shapes(run, stage), n) * n)
     has_root = where(root > 0, 1, 0)
     pp_on = run.pp > 1
     per_step = where(pp_on, 1 + 0 * ga, ga)  # units gathered / reduced once per micro-batch (pp = 1) or step

@@ -351,8 +351,9 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
                       frozen)
 
 
-def _scaled(run: Run, x: Num) -> Num:
-    """Scale an element count to `--params N` as stage_params does."""
+def scaled(run: Run, x: Num) -> Num:
+    """`--params N`: scale an element count of the reference shape to N, as stage_params does (the one helper for
+    buffers, comm and activations)."""
     m = run.model
     return x if m.params_override is None else muldiv(x, m.params_override, shape_params(m))
 
@@ -364,11 +365,11 @@ def matmul_weight_elems(run: Run, stage: Num) -> Num:
     the embedding's stage is that same matrix, which the head's matmul casts: there only learned positions are
     left out (GPT-2, Llama 3.2 1B/3B under AMP; measured by the harness)."""
     m = run.model
-    emb = _scaled(run, embedding_params(m, run.profile, run.tp))
+    emb = scaled(run, embedding_params(m, run.profile, run.tp))
     if m.tied_embeddings:  # the word matrix, the head's (a tied head has no bias: ModelSpec._check)
-        emb = emb - where(stage == run.pp - 1, _scaled(run, head_params(m, run.profile, run.tp)), 0)
+        emb = emb - where(stage == run.pp - 1, scaled(run, head_params(m, run.profile, run.tp)), 0)
     n_norms = layer_norms(m) * stage_layers(m, run.pp, stage) + where(stage == run.pp - 1, 1, 0)
-    norms = _scaled(run, norm_params(m) * n_norms)
+    norms = scaled(run, norm_params(m) * n_norms)
     dense, expert = stage_params(run, stage)
     return dense + expert - where(stage == 0, emb, 0) - norms
 
@@ -381,7 +382,7 @@ def cast_grad_elems(run: Run, stage: Num) -> Num:
         return matmul_weight_elems(run, stage)
     frozen = stage_param_split(run, stage).frozen
     if "embeddings" in t.freeze:  # not cast in the first place
-        frozen = frozen - where(stage == 0, _scaled(run, embedding_params(m, run.profile, run.tp)), 0)
+        frozen = frozen - where(stage == 0, scaled(run, embedding_params(m, run.profile, run.tp)), 0)
     return imax(matmul_weight_elems(run, stage) - frozen, 0)
 
 
