@@ -336,6 +336,31 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     # root's all-gather output beside its unsharded parameters; its reduce-scatter comes before its sharded grads
     add("fake FSDP2 ZeRO-3 fp32, world 2, vocab 8192, seq 8: the root's all-gather at the first layer",
         dict(V, precision="fp32", gpus=2, zero=3, grad_accum=1, optimizer="adamw"), world="fake", device="cpu")
+    # FSDP2's root backward: the embedding's dense gradient beside the root's unsharded parameters and the head's
+    # unsharded gradient (a tied head's held one and their out-of-place sum)
+    add("fake FSDP2 ZeRO-3 fp32 SGD, tied embeddings, vocab 8192, seq 8: the embedding's backward", dict(
+        V, precision="fp32", gpus=2, zero=3, grad_accum=1), {"tied_embeddings": True}, world="fake")
+    add("fake FSDP2 ZeRO-3 bf16 AMP SGD, tied embeddings, grad-accum 2, vocab 8192, seq 8: a later one", dict(
+        V, precision="bf16", gpus=2, zero=3), {"tied_embeddings": True}, world="fake")
+    # the root's reduce-scatter output beside the head's gradient, which foreach_reduce's loop variable keeps
+    add("fake FSDP2 ZeRO-3 bf16 AMP, world 2, vocab 8192, seq 8: the root's reduce-scatter output", dict(
+        V, precision="bf16", gpus=2, zero=3, grad_accum=1, optimizer="adamw"), world="fake")
+    # ZeRO-2 (reshard_after_forward=False) re-gathers every unit in each forward: the first layer's copy-out
+    add("fake FSDP2 ZeRO-2 fp32 SGD, vocab 8192, seq 8: the first layer's copy-out", dict(
+        V, precision="fp32", gpus=2, zero=2, grad_accum=1), world="fake")
+    # weight-heavy layers (wide MLP, short sequences): a layer's backward copy-out and the end of its backward
+    H = dict(L, layers=2, ffn=1024, vocab=256, seq=8)
+    H3 = dict(L, layers=3, hidden=128, ffn=2048, vocab=256, seq=4)
+    add("fake FSDP2 ZeRO-3 fp32 SGD, ffn 1024, seq 8: the second layer's backward copy-out", dict(
+        H, precision="fp32", gpus=2, zero=3, optimizer="sgd"), world="fake")
+    add("fake FSDP2 ZeRO-3 fp32 SGD, 3 layers, ffn 2048, seq 4: the end of a layer's backward", dict(
+        H3, precision="fp32", gpus=2, zero=3, optimizer="sgd"), world="fake")
+    add("fake FSDP2 ZeRO-2 fp32, grad-accum 2, 3 layers, ffn 2048, seq 4: the last layer's forward copy-out", dict(
+        H3, precision="fp32", gpus=2, zero=2, grad_accum=2), world="fake")
+    add("fake FSDP2 ZeRO-2 bf16 AMP, ffn 1024, seq 8: the post-backward reshards before its reduce-scatter", dict(
+        H, precision="bf16", gpus=2, zero=2), world="fake")
+    add("fake FSDP2 ZeRO-2 bf16 AMP, world 4, grad-accum 2, ffn 1024, seq 8: a later post-backward", dict(
+        H, precision="bf16", gpus=4, zero=2, grad_accum=2), world="fake")
     return c
 
 

@@ -167,7 +167,16 @@ def test_fsdp2_zero3_working_set():
     # allocated; the next unit's flat all-gather output (prefetch of 1) is live through both moments of every
     # layer that has a next unit to prefetch (the timeline adds it there, not in the last layer's). bf16
     assert b["fsdp_backward_working_set"].bytes == 2 * layer == 131_328
-    assert b["fsdp_backward_working_set"].phases == {"backward_layer"}
+    assert b["fsdp_backward_working_set"].phases == {"backward_layer", "backward_layer_end"}
+    # the end of a layer's backward (before its post-backward): all its unsharded bf16 grads
+    assert b["fsdp_layer_unsharded_grads"].bytes == 2 * layer
+    assert b["fsdp_layer_unsharded_grads"].phases == {"backward_layer_end"}
+    # a later layer's pre-backward copy-out: its prefetched all-gather output and its unsharded params
+    assert b["fsdp_backward_copy_out"].bytes == 2 * 2 * layer
+    assert b["fsdp_backward_copy_out"].phases == {"backward_copy_out"}
+    # the embedding's backward: the root's unsharded params, until its post-backward
+    assert b["fsdp_root_unsharded_at_root_backward"].bytes == 2 * root
+    assert b["fsdp_root_unsharded_at_root_backward"].phases == {"backward_root"}
     assert b["fsdp_backward_prefetch"].bytes == 2 * layer
     assert b["fsdp_backward_prefetch"].phases == {"backward_prefetch"}
     # forward: an all-gather output is freed only by the next copy-out, so the last unit's is still live at the LM
@@ -192,8 +201,15 @@ def test_fsdp2_zero3_working_set():
     # reduce-scatter input stays in flight during the next unit's backward
     assert b["fsdp_layer_reduce_scatter"].bytes == 2 * layer + 4 * layer
     assert b["fsdp_reduce_scatter_in_flight"].bytes == 4 * layer
-    # end of backward: the root's unsharded grads (bf16) and its reduce-scatter input (fp32)
-    assert b["fsdp_root_reduce_scatter"].bytes == 2 * root + 4 * root
+    # the previous unit's reduce-scatter input is recycled before the root's is allocated
+    assert "backward_end" not in b["fsdp_reduce_scatter_in_flight"].phases
+    # end of backward: the root's reduce-scatter input (fp32), beside its unsharded grads (bf16) at the copy-in or,
+    # after foreach_reduce cleared them, its output (a quarter of the fp32 root) and the last grad, the head's
+    # (64000 bf16, kept by the loop variable): max(2 * 128064, 128064 + 2 * 64000) = 256128, the copy-in
+    assert b["fsdp_root_reduce_scatter"].bytes == 4 * root + max(2 * root, root + 2 * EMB) == 4 * root + 2 * root
+    # over 2 ranks the output is half the fp32 root: 2 * 128064 + 2 * 64000 = 384128 > 256128
+    b2 = stage_buffers(run(gpus=2, zero=3, precision="bf16"))
+    assert b2["fsdp_root_reduce_scatter"].bytes == 4 * root + 2 * root + 2 * EMB == 896_384
     assert b["amp_weight_casts"].bytes == 0  # FSDP2's MixedPrecisionPolicy gathers bf16 params: no autocast
     assert "ddp_buckets" not in b
     # padding: vocab 1001 over 4 ranks pads dim 0 to 1004 rows in the flat all-gather / reduce-scatter buffers

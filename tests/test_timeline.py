@@ -191,3 +191,50 @@ def test_scalar_stage_memory_is_fast():
         stage_memory(r, 1)
     per_call = (time.perf_counter() - t0) / n
     assert per_call < 300e-6, per_call  # about 40 us on a laptop core; generous for loaded CI machines
+
+
+def test_fsdp2_zero3_weight_heavy_backward_peaks_at_a_layers_copy_out():
+    """FSDP2 ZeRO-3, 2 layers of h 64, SwiGLU f 1024, vocab 256, 8 tokens, fp32, SGD, world 2 (matrix row 140,
+    measured 4,249,808 B). Where weights outweigh activations the backward's highest moment is the second layer's
+    pre-backward copy-out, right after the first layer's post-backward. One layer: q, k, v, o 4 x 64x64 + gate, up,
+    down 3 x 64x1024 + two norms 2 x 64 = 213,120 elements (every dim 0 even: no padding over 2 ranks), 852,480 B
+    in fp32; the root: embedding and head 2 x 256x64 + final norm 64 = 32,832 elements, 131,328 B."""
+    from conftest import run_of
+
+    r = run_of(layers=2, hidden=64, heads=4, ffn=1024, vocab=256, seq=8, precision="fp32", gpus=2, zero=3,
+               optimizer="sgd")
+    sm = stage_memory(r, 0)
+    bwd = live(sm, "backward")
+    assert bwd["params"] == (2 * 213_120 + 32_832) // 2 * 4 == 918_144  # the resident shards
+    assert bwd["grads"] == 213_120 // 2 * 4 == 426_240  # the first layer's sharded gradients, just reduced
+    # the post-backward's activations: the first layer's saved set (norms 2 x (2,048 + 32 fp32 rstd), qkv input
+    # 2,048, q, k, v 3 x 2,048, the log-sum-exp 128, attention output 2,048, MLP input 2,048, gate/up output
+    # 65,536, SiLU and product 2 x 32,768 = 147,648), the token ids 64, the rotary tables 1,024 and the residual
+    # stream's gradient 8 x 64 x 4 = 2,048
+    assert bwd["activations"] == 147_648 + 64 + 1_024 + 2_048 == 150_784
+    # the root's unsharded parameters 131,328, the head's and final norm's unsharded gradients (16,384 + 64) x 4
+    # = 65,792, the first layer's reduce-scatter input in flight 852,480, and the second layer's all-gather output
+    # and unsharded parameters 2 x 852,480 (cuBLAS workspaces aside)
+    assert bwd["buffers"] - sm.buffers_detail["cublas_workspaces"] == 131_328 + 65_792 + 852_480 + 2 * 852_480
+    assert sum(bwd.values()) - sm.buffers_detail["cublas_workspaces"] == 4_249_728  # -0.002% of the measured
+
+
+def test_fsdp2_tied_head_peaks_at_the_embeddings_backward():
+    """FSDP2 ZeRO-3, tied embeddings, 2 layers of h 64, f 176, vocab 8192, 8 tokens, fp32, SGD, world 2 (matrix
+    row 136, measured 10,041,616 B; -39.4% before this moment was modelled). The head's gradient waits in
+    autograd's input buffer for the embedding's; their out-of-place sum is made beside both and the root's
+    unsharded parameters. One layer: 4 x 64x64 + 3 x 64x176 + 2 x 64 = 50,304 elements; the root: the shared
+    8192x64 matrix + final norm 64 = 524,352 elements, 2,097,408 B in fp32."""
+    from conftest import run_of
+
+    r = run_of(layers=2, hidden=64, heads=4, ffn=176, vocab=8192, seq=8, precision="fp32", gpus=2, zero=3,
+               optimizer="sgd", tied_embeddings=True)
+    sm = stage_memory(r, 0)
+    bwd = live(sm, "backward")
+    assert bwd["params"] == (2 * 50_304 + 524_352) // 2 * 4 == 1_249_920
+    assert bwd["grads"] == 2 * 50_304 // 2 * 4 == 201_216  # both layers' shards; the root's not yet reduced
+    assert bwd["activations"] == 2 * 4 * 8192 * 64 == 4_194_304  # the embedding's gradient and the sum
+    # the root's unsharded parameters, the held head gradient with the final norm's (the same 524,352 elements)
+    # and the first layer's reduce-scatter input in flight
+    assert bwd["buffers"] - sm.buffers_detail["cublas_workspaces"] == 2 * 2_097_408 + 201_216
+    assert sum(bwd.values()) - sm.buffers_detail["cublas_workspaces"] == 10_041_472

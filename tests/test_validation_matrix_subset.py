@@ -60,6 +60,10 @@ ROWS = {
     124: "pipelining under autocast, weight-heavy: a later backward's end, weight gradients waiting for their casts",
     130: "grad-accum under AMP: a later LM-head backward's new gradient and its cast beside .grad",
     132: "a tied head's gradient held in autograd's input buffer to the end of backward",
+    136: "FSDP2, tied head: the embedding's backward beside the held head gradient and their sum",
+    138: "FSDP2 AMP over 2 ranks: the root's reduce-scatter output beside the head's gradient",
+    140: "FSDP2 ZeRO-3, weight-heavy: a layer's backward copy-out",
+    141: "FSDP2 ZeRO-3, weight-heavy: the end of a layer's backward, all its unsharded gradients",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

@@ -950,6 +950,9 @@ class StageActivations:
     # the end of the first backward beyond what the loop keeps: a tied head's held gradient and the embedding's,
     # whose sum becomes `.grad` (`_tied_held_grad`)
     backward_end_bytes: Num
+    # FSDP2 (pp = 1): the root unit's backward, before its post-backward: the embedding's dense gradient, and a
+    # tied head's sum of it with the held one (`_fsdp_root_backward`; _NEVER elsewhere)
+    backward_root_bytes: Num
     # the LM head's backward in a later micro-batch (torch, .grad accumulated in place): the head's new weight
     # gradient beside the accumulated one (`_later_head_backward`; _NEVER where not modelled)
     backward_later_head_bytes: Num
@@ -960,7 +963,7 @@ class StageActivations:
     forward_head_bytes: Num
     # eager attention's core in that last layer's forward (`eager_attention_forward`; _NEVER where not modelled)
     forward_attention_bytes: Num
-    # FSDP2 ZeRO-3 (pp = 1): the first layer's copy-out, the root's all-gather output still live; only the
+    # FSDP2 ZeRO-2 or 3 (pp = 1): the first layer's copy-out, the root's all-gather output still live; only the
     # embedding's output and saved terms exist yet (`_first_layer_copy_out`; _NEVER elsewhere)
     forward_first_layer_bytes: Num
     # the start of the last layer's forward of the last micro-batch before a backward: everything held but that
@@ -972,6 +975,17 @@ class StageActivations:
     # the end of that layer's backward (FSDP2's post-backward): its activations freed, the gradient of its input
     # (the residual stream) live
     backward_post_bytes: Num
+    # FSDP2 ZeRO-3: the next layer's pre-backward copy-out, right after that post-backward (the same activations;
+    # _NEVER elsewhere or with one layer per unit); each later layer's has one more layer's activations freed
+    backward_copy_out_bytes: Num
+    # the same in a later micro-batch's backward (as `backward_later_layer_bytes` to `backward_layer_bytes`)
+    backward_later_copy_out_bytes: Num
+    # FSDP2: the end of the first layer's backward, before its post-backward (the layer's activations freed, its
+    # input's gradient live; _NEVER without FSDP2's sharded gradients), and the same in a later backward
+    backward_layer_end_bytes: Num
+    backward_later_layer_end_bytes: Num
+    # the post-backward moment (`backward_post_bytes`) in a later micro-batch's backward (_NEVER with one)
+    backward_later_post_bytes: Num
     layers: Num  # layers of the stage (of one model chunk when interleaved)
     layer_freed_bytes: Num  # what one layer's backward frees (one micro-batch; the average layer of the unit)
     host_bytes: Num  # offloaded activations held in host memory (0 without offloading)
@@ -1491,14 +1505,31 @@ def _tied_held_grad(run: Run, stage: Num) -> Num:
     return where((run.pp == 1) & (_fsdp_sharded(run) == 0), DTYPE_BYTES[run.recipe.param_dtype] * scaled(run, word), 0)
 
 
+def _fsdp_root_backward(run: Run) -> Num:
+    """FSDP2 (pp = 1, torch): activations at the embedding's backward, or _NEVER: its dense gradient (unsharded,
+    in the all-gather's parameter dtype) beside the root's unsharded parameters and the head's unsharded gradient
+    (buffers), before the root's post-backward reshards it and reduce-scatters. A tied head's gradient waits in
+    autograd's input buffer for it (`_tied_held_grad`) and the two are summed out of place: `2*c*V*h/t` bytes,
+    else `c*V*h/t`. _NEVER where the embedding is frozen (LoRA, `--freeze embeddings`): the moment is then below
+    the head's backward. Measured: docs/validation.md rows 136-137."""
+    t = run.training
+    frozen = t.lora_rank is not None or "embeddings" in t.freeze
+    if run.profile != "torch" or frozen:
+        return _NEVER
+    m = run.model
+    word = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
+    grads = (2 if m.tied_embeddings else 1) * DTYPE_BYTES[run.recipe.compute_dtype] * scaled(run, word)
+    return where((run.pp == 1) & (_fsdp_sharded(run) == 1), grads, _NEVER)
+
+
 def _first_layer_copy_out(run: Run, stage: Num) -> Num:
-    """FSDP2 ZeRO-3 with pp = 1: activations at the first layer's copy-out, or _NEVER. The root unit's all-gather
+    """FSDP2 (ZeRO-2 or 3) with pp = 1: activations at the first layer's copy-out, or _NEVER. The root unit's all-gather
     output is freed only by the next unit's copy-out (buffers `fsdp_root_gather_at_first_layer`), so the first
     layer's gather holds two copies of the root beside its own all-gather output and unsharded parameters; of the
     micro-batch only the embedding's output and what the embedding and the rotary tables saved exist. The moment
     dominates where the root outweighs a layer's working set and the activations (large vocabularies, short
     sequences)."""
-    if run.profile != "torch" or run.zero < 3:
+    if run.profile != "torch" or run.zero < 2:
         return _NEVER
     c, _, tok_sp, _ = _shape(run)
     early = sum(first_stage_terms(run).values()) + every_stage_terms(run, stage).get("rotary_cos_sin", 0)
@@ -1876,6 +1907,13 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         # and the quantized LM head's input, the final norm's output (lit-gpt's head chunks are views of it)
         graph_held = unit_held - where(first & first_kept, _graph_held_first_layer_fix(run, plain), 0) + head_held
     detail["graph_held_inputs_transient"] = graph_held
+    post = base_bwd - one_layer + w_prev + _residual_grad_bytes(run)
+    copy_out = where((_fsdp_sharded(run) == 1) & (run.zero >= 3) & (unit_layers > 1), post, _NEVER)
+    layer_end = where(_fsdp_sharded(run) == 1, post, _NEVER)
+
+    def in_later(x: Num) -> Num:  # a moment of the first backward, in a later micro-batch's
+        return where(total_units > 1, x - held + held_later + sent + late_dw, _NEVER)
+
     return StageActivations(
         held_bytes=held + w_last,
         forward_bytes=held + w_last + fwd_tr,
@@ -1886,6 +1924,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_later_layer_bytes=where(total_units > 1, layer_bwd - held + held_later + sent + late_dw
                                          + _tied_held_grad(run, stage), 0),
         backward_end_bytes=2 * _tied_held_grad(run, stage),
+        backward_root_bytes=_fsdp_root_backward(run),
         backward_later_end_bytes=where(total_units > 1, later_end, _NEVER),
         backward_later_head_bytes=where(total_units > 1, later_head, _NEVER),
         layer_k_extra_bytes=layer_k_extra,
@@ -1894,7 +1933,12 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         forward_first_layer_bytes=_first_layer_copy_out(run, stage),
         forward_attention_bytes=attn_fwd,
         forward_layer_end_bytes=base + pair + layer_out,
-        backward_post_bytes=base_bwd - one_layer + w_prev + _residual_grad_bytes(run),
+        backward_post_bytes=post,
+        backward_copy_out_bytes=copy_out,
+        backward_later_copy_out_bytes=in_later(copy_out),
+        backward_layer_end_bytes=layer_end,
+        backward_later_layer_end_bytes=in_later(layer_end),
+        backward_later_post_bytes=in_later(post),
         loss_kept_bytes=kept,
         graph_held_bytes=graph_held,
         steady_forward_sent_bytes=steady_sent,

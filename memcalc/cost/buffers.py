@@ -59,12 +59,16 @@ Num = Any
 # parameters just gathered), "forward_layer_end" (its end, before FSDP2 reshards it), "backward" (the loss
 # gradient, start of backward),
 # "backward_layer" (inside the first layer's backward), "backward_post" (at its end), "backward_end" (the last unit's
-# gradient reduction, FSDP2), "optimizer" (the step). Two tags qualify backward moments rather than name one:
+# gradient reduction, FSDP2), "backward_root" (FSDP2: the root unit's backward, the embedding's gradient made, before
+# its post-backward), "backward_copy_out" (FSDP2 ZeRO-3: the second layer of backward gathered, its pre-backward's
+# copy-out), "backward_layer_end" (FSDP2: a layer's backward done, all its unsharded gradients made, before its
+# post-backward), "optimizer" (the step). Two tags qualify backward moments rather than name one:
 # "backward_layer_next" (from the second layer's backward on) and "backward_prefetch" (while a next unit exists to
 # prefetch: every layer's backward moments but the stage's last layer's).
 ALL_PHASES: frozenset[str] = frozenset(
     {"forward", "forward_head", "forward_layer", "forward_layer_end", "backward", "backward_layer", "backward_post",
-     "backward_end", "optimizer", "forward_first_layer"}
+     "backward_end", "backward_root", "backward_copy_out", "backward_layer_end", "optimizer",
+     "forward_first_layer"}
 )
 FWD_BWD: frozenset[str] = frozenset({"forward", "forward_head", "forward_layer", "forward_layer_end", "backward",
                                      "backward_layer", "backward_post"})
@@ -312,6 +316,15 @@ def _root_elems(run: Run, stage: Num) -> Num:
     return imax(_stage_elems(run, stage) - scaled(run, dense_s + expert_s), 0)
 
 
+def _root_last_elems(run: Run, stage: Num) -> Num:
+    """Elements of the stage's root unit's last-registered parameter (`root_tensor_shapes` follows the harness's
+    and torchtitan's registration order: embedding, positions, final norm, LM head, its bias)."""
+    last: Num = 0
+    for dim0, row, count in root_tensor_shapes(run, stage):
+        last = where(count > 0, dim0 * row, last)
+    return scaled(run, last)
+
+
 def fsdp_root_shard_grad_bytes(run: Run, stage: Num) -> Num:
     """FSDP2 (ZeRO-2/3 over more than one rank): this rank's sharded gradients of the stage's root unit
     (embedding, final norm, LM head), made from the root's reduce-scatter output at the end of backward: not yet
@@ -426,11 +439,29 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     share_num, share_den = n_train, imax(n, 1)  # only trainable parameters produce gradients (LoRA / --freeze)
     # not at backward_end: the root's post-backward reshards it before its reduce-scatter, like every unit's
     keep = frozenset({"forward", "forward_head", "forward_layer", "forward_layer_end", "backward", "backward_layer",
-                      "backward_post", "forward_first_layer"})
+                      "backward_post", "backward_copy_out", "backward_layer_end", "forward_first_layer"})
+    # the root's backward: every layer has been resharded by its post-backward (ZeRO-2 too); the root's unsharded
+    # parameters are live until its own (activations `_fsdp_root_backward`)
+    out["fsdp_root_unsharded_at_root_backward"] = Buffer(
+        where(sharded, cb * root_flat, 0), frozenset({"backward_root"}),
+        "FSDP2 root unit's unsharded params at its backward (every layer resharded)")
     if run.zero == 2:
         # reshard_after_forward=False: every unit stays unsharded from its forward to its post-backward
-        out["fsdp_unsharded_params"] = Buffer(where(sharded, cb * stage_flat, 0), keep,
+        # ... but every unit's post-backward reshards it, so a forward gathers each unit again: at the first
+        # layer's copy-out only the root and that layer are unsharded (beside the root's all-gather output, below)
+        out["fsdp_unsharded_params"] = Buffer(where(sharded, cb * stage_flat, 0), keep - {"forward_first_layer"},
                                               "FSDP2 reshard_after_forward=False: the stage's unsharded params")
+        out["fsdp_first_layer_unsharded"] = Buffer(
+            where(sharded, cb * (root_flat + 2 * layer_flat), 0), frozenset({"forward_first_layer"}),
+            "FSDP2 at the first layer's copy-out: the root unsharded, the layer's all-gather output and params",
+            side_stream_bytes=where(sharded, cb * layer_flat, 0))
+        # the last layer's copy-out: the previous unit's all-gather output is freed only by it (as under ZeRO-3,
+        # `fsdp_forward_working_set`), beside the last unit's own (`fsdp_forward_gather`). Measured:
+        # docs/validation.md row 141.
+        out["fsdp_forward_prev_gather"] = Buffer(
+            where(sharded, cb * layer_flat, 0), frozenset({"forward_layer"}),
+            "FSDP2 previous unit's all-gather output, freed by the last unit's copy-out",
+            side_stream_bytes=where(sharded, cb * layer_flat, 0))
     else:
         # ZeRO-3: the root is gathered first and kept (reshard_after_forward=None on the root); each layer is
         # gathered for its forward and again for its backward, resharded after each
@@ -440,11 +471,18 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         # prefetch of 1, _fsdp_param_group.py `_backward_prefetch`); the post-backward reshards (frees) the
         # current unit before it allocates the reduce-scatter input (`post_backward`: reshard, then foreach_reduce)
         out["fsdp_backward_working_set"] = Buffer(
-            where(sharded, cb * layer_flat, 0), frozenset({"backward_layer"}),
+            where(sharded, cb * layer_flat, 0), frozenset({"backward_layer", "backward_layer_end"}),
             "FSDP2 current unit unsharded (resharded at its post-backward)")
         out["fsdp_backward_prefetch"] = Buffer(
             where(sharded, cb * layer_flat, 0), frozenset({"backward_prefetch"}),
             "FSDP2 next unit's all-gather output (backward prefetch of 1; none in the last layer's backward)",
+            side_stream_bytes=where(sharded, cb * layer_flat, 0))
+        # the next unit's pre-backward, after the previous one's post-backward: the copy-out fills its unsharded
+        # parameters while its prefetched all-gather output is still live (activations `backward_copy_out_bytes`;
+        # its own prefetch is issued after the copy-out). Measured: docs/validation.md row 139.
+        out["fsdp_backward_copy_out"] = Buffer(
+            where(sharded, 2 * cb * layer_flat, 0), frozenset({"backward_copy_out"}),
+            "FSDP2 a layer's backward copy-out: its all-gather output and unsharded params",
             side_stream_bytes=where(sharded, cb * layer_flat, 0))
     # forward: the all-gather output of the last unit is kept (`comm_ctx.all_gather_state`, freed at the next
     # copy-out or at the root's post-forward), i.e. still live at the LM head
@@ -463,13 +501,13 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
                                                             "forward_first_layer"}),
                                                  "FSDP2 last unit's all-gather output and unsharded params",
                                                  side_stream_bytes=where(sharded, cb * layer_flat, 0))
-        # the first layer's copy-out: the root's all-gather output is still live (freed by the next copy-out),
-        # beside the root's unsharded parameters and the first layer's working set (timeline: a forward moment
-        # with only the embedding's output; measured, docs/validation.md row 135)
-        out["fsdp_root_gather_at_first_layer"] = Buffer(
-            where(sharded, cb * root_flat, 0), frozenset({"forward_first_layer"}),
-            "FSDP2 root unit's all-gather output, freed by the first layer's copy-out",
-            side_stream_bytes=where(sharded, cb * root_flat, 0))
+    # the first layer's copy-out: the root's all-gather output is still live (freed by the next copy-out),
+    # beside the root's unsharded parameters and the first layer's working set (timeline: a forward moment
+    # with only the embedding's output; measured, docs/validation.md rows 135 and 137)
+    out["fsdp_root_gather_at_first_layer"] = Buffer(
+        where(sharded, cb * root_flat, 0), frozenset({"forward_first_layer"}),
+        "FSDP2 root unit's all-gather output, freed by the first layer's copy-out",
+        side_stream_bytes=where(sharded, cb * root_flat, 0))
     gather_at = {"forward_head", "forward_layer"} | ({"forward_layer_end"} if run.zero == 2 else set())
     out["fsdp_forward_gather"] = Buffer(where(sharded, cb * layer_flat, 0), frozenset(gather_at),
                                         "FSDP2 all-gather output of the last unit, freed after the forward",
@@ -479,11 +517,17 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     # layer's down projection (the first weight gradient of a layer's backward)
     head_g, down_g = first_backward_grad_elems(run, stage)
     out["fsdp_head_grads"] = Buffer(
-        where(sharded, muldiv(cb * head_g, share_num, share_den), 0), frozenset({"backward_layer", "backward_post"}),
+        where(sharded, muldiv(cb * head_g, share_num, share_den), 0),
+        frozenset({"backward_layer", "backward_post", "backward_root", "backward_copy_out", "backward_layer_end"}),
         "unsharded grads of the LM head and final norm (reduced with the root, at the end of backward)")
     out["fsdp_unsharded_grads"] = Buffer(
         where(sharded, muldiv(cb * down_g, share_num, share_den), 0), frozenset({"backward_layer"}),
         "unsharded grad of the down projection, the first weight gradient of a layer's backward")
+    # the end of a layer's backward: all its unsharded grads, before its post-backward (weight-heavy layers: short
+    # sequences, wide MLPs). Measured: docs/validation.md row 140.
+    out["fsdp_layer_unsharded_grads"] = Buffer(
+        where(sharded, muldiv(cb * layer, share_num, share_den), 0), frozenset({"backward_layer_end"}),
+        "a layer's unsharded grads at the end of its backward, before its post-backward")
     # the layer's post-backward: all its unsharded grads, copied into the reduce-scatter input (reduce dtype)
     out["fsdp_layer_reduce_scatter"] = Buffer(
         where(sharded, muldiv(cb * layer + rb * layer_flat, share_num, share_den), 0), frozenset({"backward_post"}),
@@ -492,12 +536,21 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     # post-backward (comm_ctx.reduce_scatter_states, reduce_scatter_max_input_buffers = 1, _fsdp_param_group.py)
     out["fsdp_reduce_scatter_in_flight"] = Buffer(
         where(sharded, muldiv(rb * layer_flat, share_num, share_den), 0), frozenset({"backward_layer_next",
-                                                                                      "backward_end"}),
-        "previous unit's reduce-scatter input, in flight during the next unit's backward and at the root's")
-    # end of backward: the root's unsharded grads and its reduce-scatter input (flat, padded, reduce dtype)
+                                                                                      "backward_root",
+                                                                                      "backward_copy_out"}),
+        "previous unit's reduce-scatter input, in flight during the next unit's backward and the root's")
+    # end of backward: the root's reduce-scatter input (flat, padded, reduce dtype) beside, at the copy-in, all its
+    # unsharded grads, or, once `foreach_reduce` has cleared their list and allocated the reduce-scatter output
+    # (one padded shard), its last gradient: the loop variable of foreach_reduce's per-parameter loop (run where
+    # the shard group has more than one rank) keeps the unit's last-registered parameter's gradient until it
+    # returns (the LM head's, or its bias, on the last stage). The output becomes the root's sharded gradient
+    # (fsdp_root_shard_grad_bytes) or, in a later micro-batch, is added to it. Measured: docs/validation.md row 138.
+    last = _root_last_elems(run, stage)
+    rs_out = rb * cdiv(root_flat, imax(d, 1)) + cb * last
     out["fsdp_root_reduce_scatter"] = Buffer(
-        where(sharded, muldiv(cb * root + rb * root_flat, share_num, share_den), 0), frozenset({"backward_end"}),
-        "root unit's unsharded grads and its reduce-scatter input (end of backward)")
+        where(sharded, muldiv(rb * root_flat + imax(cb * root, rs_out), share_num, share_den), 0),
+        frozenset({"backward_end"}),
+        "root unit's reduce-scatter input, beside its unsharded grads or its output and last grad (end of backward)")
     if r.compute_copy:
         casts = _amp_casts(run, stage, n_train)
         out["amp_weight_casts"] = Buffer(where(sharded, 0, casts.bytes), casts.phases, casts.note + " (no FSDP)")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcalc.cost.activations import loop_holds_graph, stage_activations
+from memcalc.cost.activations import _NEVER, loop_holds_graph, stage_activations
 from memcalc.cost.buffers import (
     amp_casts_freed_at_attention,
     fsdp_backward_release_bytes,
@@ -305,6 +305,14 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         return {k: where(later, v, 0 * v) for k, v in m.items()}
 
     later_loss = if_later(moment(later_g, later_act, buf("backward")))
+
+    def layer_end(k: Num, g_k: Num, a_k: Num) -> dict[str, Num]:
+        # FSDP2: the end of layer k's backward (its unsharded gradients live, `g_k` of the sharded ones made);
+        # the previous unit's reduce-scatter input in flight from the second layer on, the next unit prefetched
+        # but in the stage's last layer; linear in k between those steps
+        return moment(g_k, where(k < n_l, a_k - k * a, _NEVER), buf("backward_layer_end")
+                      - k * rel + where(k >= 1, buf("backward_layer_next"), 0) + where(k < n_l - 1, pre, 0))
+
     offloaded = act.offload_parts is not None
 
     def acts_at(k: Num) -> Num:
@@ -317,7 +325,13 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         moment(layer_g, act.backward_layer_bytes, buf("backward_layer") + where(more, pre, 0)),
         # the first layer's attention core (its output projection's and MLP's gradients made by then)
         moment(attn_g, act.backward_attention_bytes, buf("backward_attention") + where(more, pre, 0)),
-        moment(layer_g, act.backward_post_bytes, buf("backward_post") + where(more, pre, 0)),
+        # (its post-backward reshards the layer before the reduce-scatter: ZeRO-2's release)
+        moment(layer_g, act.backward_post_bytes, buf("backward_post") - rel + where(more, pre, 0)),
+        if_later(moment(later_g, act.backward_later_post_bytes, buf("backward_post") - rel + where(more, pre, 0))),
+        # FSDP2 ZeRO-3: a layer's copy-out after the previous one's post-backward, k layers' sharded gradients
+        # made: linear in k, so the second layer's and the last's bound the others
+        *[moment(layer_g + k * g, act.backward_copy_out_bytes - (k - 1) * a, buf("backward_copy_out"))
+          for k in (1, k_last)],
         moment(layer_g + where(more, g, 0), acts_at(1),
                buf("backward_layer") + where(more, buf("backward_layer_next") - rel, 0) + where(n_l > 2, pre, 0)),
         moment(layer_g + where(more, k_pen * g, 0), acts_at(k_pen),
@@ -331,6 +345,10 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
           for k in (_switch_layers(act) if offloaded else ())],
         later_loss,
         if_later(moment(later_g, act.backward_later_layer_bytes, buf("backward_layer"))),
+        *[if_later(moment(later_g, act.backward_later_copy_out_bytes - (k - 1) * a, buf("backward_copy_out")))
+          for k in (1, k_last)],
+        *[layer_end(k, layer_g + k * g, act.backward_layer_end_bytes) for k in (0, 1, k_pen, k_last)],
+        *[if_later(layer_end(k, later_g, act.backward_later_layer_end_bytes)) for k in (0, 1, k_pen, k_last)],
         # its LM head's backward: the head's new weight gradient beside the accumulated ones
         if_later(moment(later_g, act.backward_later_head_bytes, buf("backward"))),
         # its end under torch pipelining's step-wide autocast (the weights' compute-dtype gradients waiting)
@@ -339,6 +357,10 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         # first micro-batch)
         moment(where(later, grads, grads - root_shard), act.loss_kept_bytes + act.graph_held_bytes
                + act.backward_end_bytes, buf("backward_end")),
+        # FSDP2 with a tied head: the embedding's backward, before the root's post-backward (its gradient and the
+        # sum with the head's held one beside the root's unsharded parameters)
+        moment(where(later, grads, grads - root_shard), act.loss_kept_bytes + act.graph_held_bytes
+               + act.backward_root_bytes, buf("backward_root")),
     ]
     return fwd, bwd, moment(grads, act.loss_kept_bytes + prev, buf("optimizer"), opt), (first_loss, later_loss)
 
