@@ -108,6 +108,11 @@ class Buffer:
     side_stream_bytes: Num = 0
 
 
+def _gathered(nbytes: Num, phases: set[str], note: str) -> Buffer:
+    """An FSDP2 all-gather output alone: allocated on the copy-in stream, so all of it is side-stream bytes."""
+    return Buffer(nbytes, frozenset(phases), note, side_stream_bytes=nbytes)
+
+
 def _knob(run: Run, name: str, default: Any) -> Any:
     """A framework setting: the TrainingSpec field of that name when present and set, else the default."""
     value = getattr(run.training, name, None)
@@ -437,6 +442,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     root = _root_elems(run, stage)
     stage_flat = scaled(run, d * padded_shard_elems(stage_tensor_shapes(run, stage), d))
     share_num, share_den = n_train, imax(n, 1)  # only trainable parameters produce gradients (LoRA / --freeze)
+    layer_out = where(sharded, cb * layer_flat, 0)  # one layer's flat all-gather output (copy-in stream)
     # not at backward_end: the root's post-backward reshards it before its reduce-scatter, like every unit's
     keep = frozenset({"forward", "forward_head", "forward_layer", "forward_layer_end", "backward", "backward_layer",
                       "backward_post", "backward_copy_out", "backward_layer_end", "forward_first_layer"})
@@ -454,14 +460,12 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         out["fsdp_first_layer_unsharded"] = Buffer(
             where(sharded, cb * (root_flat + 2 * layer_flat), 0), frozenset({"forward_first_layer"}),
             "FSDP2 at the first layer's copy-out: the root unsharded, the layer's all-gather output and params",
-            side_stream_bytes=where(sharded, cb * layer_flat, 0))
+            side_stream_bytes=layer_out)
         # the last layer's copy-out: the previous unit's all-gather output is freed only by it (as under ZeRO-3,
         # `fsdp_forward_working_set`), beside the last unit's own (`fsdp_forward_gather`). Measured:
-        # docs/validation.md row 141.
-        out["fsdp_forward_prev_gather"] = Buffer(
-            where(sharded, cb * layer_flat, 0), frozenset({"forward_layer"}),
-            "FSDP2 previous unit's all-gather output, freed by the last unit's copy-out",
-            side_stream_bytes=where(sharded, cb * layer_flat, 0))
+        # docs/validation.md row 142.
+        out["fsdp_forward_prev_gather"] = _gathered(
+            layer_out, {"forward_layer"}, "FSDP2 previous unit's all-gather output, freed by the last unit's copy-out")
     else:
         # ZeRO-3: the root is gathered first and kept (reshard_after_forward=None on the root); each layer is
         # gathered for its forward and again for its backward, resharded after each
@@ -473,17 +477,16 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         out["fsdp_backward_working_set"] = Buffer(
             where(sharded, cb * layer_flat, 0), frozenset({"backward_layer", "backward_layer_end"}),
             "FSDP2 current unit unsharded (resharded at its post-backward)")
-        out["fsdp_backward_prefetch"] = Buffer(
-            where(sharded, cb * layer_flat, 0), frozenset({"backward_prefetch"}),
-            "FSDP2 next unit's all-gather output (backward prefetch of 1; none in the last layer's backward)",
-            side_stream_bytes=where(sharded, cb * layer_flat, 0))
+        out["fsdp_backward_prefetch"] = _gathered(
+            layer_out, {"backward_prefetch"},
+            "FSDP2 next unit's all-gather output (backward prefetch of 1; none in the last layer's backward)")
         # the next unit's pre-backward, after the previous one's post-backward: the copy-out fills its unsharded
         # parameters while its prefetched all-gather output is still live (activations `backward_copy_out_bytes`;
-        # its own prefetch is issued after the copy-out). Measured: docs/validation.md row 139.
+        # its own prefetch is issued after the copy-out). Measured: docs/validation.md row 140.
         out["fsdp_backward_copy_out"] = Buffer(
             where(sharded, 2 * cb * layer_flat, 0), frozenset({"backward_copy_out"}),
             "FSDP2 a layer's backward copy-out: its all-gather output and unsharded params",
-            side_stream_bytes=where(sharded, cb * layer_flat, 0))
+            side_stream_bytes=layer_out)
     # forward: the all-gather output of the last unit is kept (`comm_ctx.all_gather_state`, freed at the next
     # copy-out or at the root's post-forward), i.e. still live at the LM head
     if run.zero >= 3:
@@ -500,18 +503,16 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
                                                  frozenset({"forward_layer", "forward_layer_end",
                                                             "forward_first_layer"}),
                                                  "FSDP2 last unit's all-gather output and unsharded params",
-                                                 side_stream_bytes=where(sharded, cb * layer_flat, 0))
+                                                 side_stream_bytes=layer_out)
     # the first layer's copy-out: the root's all-gather output is still live (freed by the next copy-out),
     # beside the root's unsharded parameters and the first layer's working set (timeline: a forward moment
-    # with only the embedding's output; measured, docs/validation.md rows 135 and 137)
-    out["fsdp_root_gather_at_first_layer"] = Buffer(
-        where(sharded, cb * root_flat, 0), frozenset({"forward_first_layer"}),
-        "FSDP2 root unit's all-gather output, freed by the first layer's copy-out",
-        side_stream_bytes=where(sharded, cb * root_flat, 0))
+    # with only the embedding's output; measured, docs/validation.md rows 135 and 139)
+    out["fsdp_root_gather_at_first_layer"] = _gathered(
+        where(sharded, cb * root_flat, 0), {"forward_first_layer"},
+        "FSDP2 root unit's all-gather output, freed by the first layer's copy-out")
     gather_at = {"forward_head", "forward_layer"} | ({"forward_layer_end"} if run.zero == 2 else set())
-    out["fsdp_forward_gather"] = Buffer(where(sharded, cb * layer_flat, 0), frozenset(gather_at),
-                                        "FSDP2 all-gather output of the last unit, freed after the forward",
-                                        side_stream_bytes=where(sharded, cb * layer_flat, 0))
+    out["fsdp_forward_gather"] = _gathered(layer_out, gather_at,
+                                           "FSDP2 all-gather output of the last unit, freed after the forward")
     # the first unsharded gradients of backward: the LM head's and final norm's (the root reduce-scatters only
     # at its post-backward, after the embedding: they stay unsharded all through backward) and the first
     # layer's down projection (the first weight gradient of a layer's backward)
@@ -524,7 +525,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         where(sharded, muldiv(cb * down_g, share_num, share_den), 0), frozenset({"backward_layer"}),
         "unsharded grad of the down projection, the first weight gradient of a layer's backward")
     # the end of a layer's backward: all its unsharded grads, before its post-backward (weight-heavy layers: short
-    # sequences, wide MLPs). Measured: docs/validation.md row 140.
+    # sequences, wide MLPs). Measured: docs/validation.md row 141.
     out["fsdp_layer_unsharded_grads"] = Buffer(
         where(sharded, muldiv(cb * layer, share_num, share_den), 0), frozenset({"backward_layer_end"}),
         "a layer's unsharded grads at the end of its backward, before its post-backward")

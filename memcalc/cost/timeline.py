@@ -105,10 +105,14 @@ def _total(live: dict[str, Num]) -> Num:
 
 def _highest(*moments: dict[str, Num]) -> dict[str, Num]:
     """The moment with the most bytes live, elementwise (array-polymorphic; the first wins ties)."""
-    best = moments[0]
-    for m in moments[1:]:
-        win = _total(m) > _total(best)
+    totals = [_total(m) for m in moments]
+    if all(isinstance(t, int) for t in totals):  # one configuration (the estimate): no elementwise choice
+        return moments[totals.index(max(totals))]
+    best, best_total = moments[0], totals[0]
+    for m, t in zip(moments[1:], totals[1:]):
+        win = t > best_total
         best = {k: where(win, m[k], best[k]) for k in best}
+        best_total = where(win, t, best_total)
     return best
 
 
