@@ -975,16 +975,9 @@ class StageActivations:
     # the end of that layer's backward (FSDP2's post-backward): its activations freed, the gradient of its input
     # (the residual stream) live
     backward_post_bytes: Num
-    # FSDP2 ZeRO-3: the next layer's pre-backward copy-out, right after that post-backward (the same activations;
-    # _NEVER elsewhere or with one layer per unit); each later layer's has one more layer's activations freed
-    backward_copy_out_bytes: Num
-    # the same in a later micro-batch's backward (as `backward_later_layer_bytes` to `backward_layer_bytes`)
-    backward_later_copy_out_bytes: Num
-    # FSDP2: the end of the first layer's backward, before its post-backward (the layer's activations freed, its
-    # input's gradient live; _NEVER without FSDP2's sharded gradients), and the same in a later backward
-    backward_layer_end_bytes: Num
-    backward_later_layer_end_bytes: Num
-    # the post-backward moment (`backward_post_bytes`) in a later micro-batch's backward (_NEVER with one)
+    # the same in a later micro-batch's backward (as `backward_later_layer_bytes` to `backward_layer_bytes`; _NEVER
+    # with one). FSDP2's moments next to a post-backward hold these activations too: the next layer's copy-out
+    # after it, and the end of the layer's backward before it (timeline)
     backward_later_post_bytes: Num
     layers: Num  # layers of the stage (of one model chunk when interleaved)
     layer_freed_bytes: Num  # what one layer's backward frees (one micro-batch; the average layer of the unit)
@@ -1487,7 +1480,7 @@ def _residual_grad_bytes(run: Run) -> Num:
     return _stream_bytes(run, c) * tok_sp * run.model.hidden
 
 
-def _fsdp_sharded(run: Run) -> Num:
+def fsdp_sharded(run: Run) -> Num:
     """1 where FSDP2 shards the gradients (ZeRO-2/3 over more than one rank: unsharded gradient buffers reduced per
     unit, not `.grad` accumulated in place), else 0."""
     return where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
@@ -1502,7 +1495,7 @@ def _tied_held_grad(run: Run, stage: Num) -> Num:
     if run.profile != "torch" or not m.tied_embeddings or not _head_trains(run) or t.quantize_head:
         return 0
     word = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
-    return where((run.pp == 1) & (_fsdp_sharded(run) == 0), DTYPE_BYTES[run.recipe.param_dtype] * scaled(run, word), 0)
+    return where((run.pp == 1) & (fsdp_sharded(run) == 0), DTYPE_BYTES[run.recipe.param_dtype] * scaled(run, word), 0)
 
 
 def _fsdp_root_backward(run: Run) -> Num:
@@ -1519,7 +1512,7 @@ def _fsdp_root_backward(run: Run) -> Num:
     m = run.model
     word = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
     grads = (2 if m.tied_embeddings else 1) * DTYPE_BYTES[run.recipe.compute_dtype] * scaled(run, word)
-    return where((run.pp == 1) & (_fsdp_sharded(run) == 1), grads, _NEVER)
+    return where((run.pp == 1) & (fsdp_sharded(run) == 1), grads, _NEVER)
 
 
 def _first_layer_copy_out(run: Run, stage: Num) -> Num:
@@ -1563,7 +1556,7 @@ def _later_head_backward(run: Run, stage: Num, held: Num) -> tuple[Num, Num]:
     # the cast's moment: the logits' gradient freed, the input gradient cast to the stream's dtype, and the
     # compute-dtype weight gradient in place of the freed weight copy (buffers' `amp_weight_casts`)
     at_cast = where((ac == 1) & (run.pp == 1), base + _residual_grad_bytes(run) + p * head, _NEVER)
-    occurs = (stage == run.pp - 1) & (_fsdp_sharded(run) == 0)
+    occurs = (stage == run.pp - 1) & (fsdp_sharded(run) == 0)
     return where(occurs, imax(at_mm + dw, at_cast), _NEVER), where(occurs, p * head, 0)
 
 
@@ -1604,7 +1597,7 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[N
     # the embedding's new dense gradient beside the residual stream's, on the first stage (not under FSDP2, whose
     # gradients are unsharded buffers reduce-scattered per unit)
     # (LoRA: the embedding is frozen; the autocast case above never has LoRA, `_autocast`)
-    plain = first & (_fsdp_sharded(run) == 0) & ("embeddings" not in frozen) & (run.training.lora_rank is None)
+    plain = first & (fsdp_sharded(run) == 0) & ("embeddings" not in frozen) & (run.training.lora_rank is None)
     # a tied head's gradient waits for it (`_tied_held_grad`): then their sum, then added to `.grad` in place
     tied = _tied_held_grad(run, stage)
     plain_tail = where(tied > 0, imax(grad_in + 2 * tied, 3 * tied), grad_in + p * word)
@@ -1908,12 +1901,6 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         graph_held = unit_held - where(first & first_kept, _graph_held_first_layer_fix(run, plain), 0) + head_held
     detail["graph_held_inputs_transient"] = graph_held
     post = base_bwd - one_layer + w_prev + _residual_grad_bytes(run)
-    copy_out = where((_fsdp_sharded(run) == 1) & (run.zero >= 3) & (unit_layers > 1), post, _NEVER)
-    layer_end = where(_fsdp_sharded(run) == 1, post, _NEVER)
-
-    def in_later(x: Num) -> Num:  # a moment of the first backward, in a later micro-batch's
-        return where(total_units > 1, x - held + held_later + sent + late_dw, _NEVER)
-
     return StageActivations(
         held_bytes=held + w_last,
         forward_bytes=held + w_last + fwd_tr,
@@ -1934,11 +1921,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         forward_attention_bytes=attn_fwd,
         forward_layer_end_bytes=base + pair + layer_out,
         backward_post_bytes=post,
-        backward_copy_out_bytes=copy_out,
-        backward_later_copy_out_bytes=in_later(copy_out),
-        backward_layer_end_bytes=layer_end,
-        backward_later_layer_end_bytes=in_later(layer_end),
-        backward_later_post_bytes=in_later(post),
+        backward_later_post_bytes=where(total_units > 1, post - held + held_later + sent + late_dw, _NEVER),
         loss_kept_bytes=kept,
         graph_held_bytes=graph_held,
         steady_forward_sent_bytes=steady_sent,

@@ -475,16 +475,16 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         # prefetch of 1, _fsdp_param_group.py `_backward_prefetch`); the post-backward reshards (frees) the
         # current unit before it allocates the reduce-scatter input (`post_backward`: reshard, then foreach_reduce)
         out["fsdp_backward_working_set"] = Buffer(
-            where(sharded, cb * layer_flat, 0), frozenset({"backward_layer", "backward_layer_end"}),
+            layer_out, frozenset({"backward_layer", "backward_layer_end"}),
             "FSDP2 current unit unsharded (resharded at its post-backward)")
         out["fsdp_backward_prefetch"] = _gathered(
             layer_out, {"backward_prefetch"},
             "FSDP2 next unit's all-gather output (backward prefetch of 1; none in the last layer's backward)")
         # the next unit's pre-backward, after the previous one's post-backward: the copy-out fills its unsharded
-        # parameters while its prefetched all-gather output is still live (activations `backward_copy_out_bytes`;
-        # its own prefetch is issued after the copy-out). Measured: docs/validation.md row 140.
+        # parameters while its prefetched all-gather output is still live (the post-backward's activations,
+        # timeline; its own prefetch is issued after the copy-out). Measured: docs/validation.md row 140.
         out["fsdp_backward_copy_out"] = Buffer(
-            where(sharded, 2 * cb * layer_flat, 0), frozenset({"backward_copy_out"}),
+            2 * layer_out, frozenset({"backward_copy_out"}),
             "FSDP2 a layer's backward copy-out: its all-gather output and unsharded params",
             side_stream_bytes=layer_out)
     # forward: the all-gather output of the last unit is kept (`comm_ctx.all_gather_state`, freed at the next
@@ -499,7 +499,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         # forward, from the last unit's copy-out to the end of its forward: its flat all-gather output and its
         # unsharded parameters (padded storage); at the copy-out also the previous unit's all-gather output
         # (below, freed only by this copy-out); the previous unit itself was resharded after its forward
-        out["fsdp_forward_working_set"] = Buffer(where(sharded, 2 * cb * layer_flat, 0),
+        out["fsdp_forward_working_set"] = Buffer(2 * layer_out,
                                                  frozenset({"forward_layer", "forward_layer_end",
                                                             "forward_first_layer"}),
                                                  "FSDP2 last unit's all-gather output and unsharded params",

@@ -6,7 +6,7 @@ Contract used by estimate.py and the planner (array-polymorphic like the rest of
 per category at that moment. `allocated_peak` is the elementwise maximum of the phase totals.
 
 Phases (docs/methodology.md, "Activations" sec. 7), each the highest of its candidate moments:
-- forward: FSDP2 ZeRO-3's first layer copy-out (the root's all-gather output still live); the loss of the last
+- forward: FSDP2's first layer copy-out (the root's all-gather output still live); the loss of the last
   forward before a backward (held activations + the logits and their fp32 upcast,
   or context-parallel ring buffers), the LM head matmul just before it (FSDP2's last all-gather still live), or
   the start or end of the last layer's forward (FSDP2 ZeRO-3's gathered layer buffers).
@@ -17,7 +17,8 @@ Phases (docs/methodology.md, "Activations" sec. 7), each the highest of its cand
   last layer (each layer frees its activations and adds its gradients, linear in between); the start of a later
   micro-batch's backward, its first layer's backward, its LM head's backward (the head's new weight gradient
   beside `.grad`) and its end (the embedding's, and under torch pipelining with autocast every weight's); the end
-  of backward (FSDP2's root reduce-scatter, a tied head's held gradient).
+  of backward (FSDP2's root reduce-scatter, a tied head's held gradient). FSDP2 also: a layer's backward copy-out
+  (ZeRO-3), the end of a layer's backward with all its unsharded gradients, and the embedding's backward.
 - optimizer: no activations (but lit-gpt's logits list, `loss_kept_bytes`); all gradients and the optimizer's
   temporaries (buffers).
 Buffers (memcalc/cost/buffers.py) add their bytes to the phases each one names.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcalc.cost.activations import _NEVER, loop_holds_graph, stage_activations
+from memcalc.cost.activations import _NEVER, fsdp_sharded, loop_holds_graph, stage_activations
 from memcalc.cost.buffers import (
     amp_casts_freed_at_attention,
     fsdp_backward_release_bytes,
@@ -273,7 +274,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         moment(later_fwd_g, act.forward_layer_bytes + f_prev - old_logits, buf("forward_layer")),
         moment(later_fwd_g, act.forward_attention_bytes + f_prev - old_logits, buf("forward_layer")),
         moment(later_fwd_g, act.forward_layer_end_bytes + f_prev - old_logits, buf("forward_layer_end")),
-        # FSDP2 ZeRO-3: the first layer's copy-out, the root's all-gather output still live
+        # FSDP2: the first layer's copy-out, the root's all-gather output still live
         moment(later_fwd_g, act.forward_first_layer_bytes + f_prev - old_logits, buf("forward_first_layer")),
     ]
     # backward: the loss gradient (start of the first backward), the first layer's backward (loss terms freed,
@@ -310,12 +311,22 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
 
     later_loss = if_later(moment(later_g, later_act, buf("backward")))
 
+    # FSDP2's moments beside a layer's post-backward hold its activations (`backward_post_bytes`, less a layer's
+    # per later layer): the end of the layer's backward just before it, and (ZeRO-3, which gathers each layer
+    # again for its backward) the next layer's copy-out just after it
+    fsdp = (run.profile == "torch") & (fsdp_sharded(run) == 1)
+    gathers = fsdp & (run.zero >= 3) & more
+
     def layer_end(k: Num, g_k: Num, a_k: Num) -> dict[str, Num]:
         # FSDP2: the end of layer k's backward (its unsharded gradients live, `g_k` of the sharded ones made);
         # the previous unit's reduce-scatter input in flight from the second layer on, the next unit prefetched
         # but in the stage's last layer; linear in k between those steps
-        return moment(g_k, where(k < n_l, a_k - k * a, _NEVER), buf("backward_layer_end")
+        return moment(g_k, where(fsdp & (k < n_l), a_k - k * a, _NEVER), buf("backward_layer_end")
                       - k * rel + where(k >= 1, buf("backward_layer_next"), 0) + where(k < n_l - 1, pre, 0))
+
+    def copy_out(k: Num, g_k: Num, a_k: Num) -> dict[str, Num]:
+        # FSDP2 ZeRO-3: layer k's copy-out after layer k-1's post-backward
+        return moment(g_k, where(gathers, a_k - (k - 1) * a, _NEVER), buf("backward_copy_out"))
 
     offloaded = act.offload_parts is not None
 
@@ -334,8 +345,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         if_later(moment(later_g, act.backward_later_post_bytes, buf("backward_post") - rel + where(more, pre, 0))),
         # FSDP2 ZeRO-3: a layer's copy-out after the previous one's post-backward, k layers' sharded gradients
         # made: linear in k, so the second layer's and the last's bound the others
-        *[moment(layer_g + k * g, act.backward_copy_out_bytes - (k - 1) * a, buf("backward_copy_out"))
-          for k in (1, k_last)],
+        *[copy_out(k, layer_g + k * g, act.backward_post_bytes) for k in (1, k_last)],
         moment(layer_g + where(more, g, 0), acts_at(1),
                buf("backward_layer") + where(more, buf("backward_layer_next") - rel, 0) + where(n_l > 2, pre, 0)),
         moment(layer_g + where(more, k_pen * g, 0), acts_at(k_pen),
@@ -349,10 +359,9 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
           for k in (_switch_layers(act) if offloaded else ())],
         later_loss,
         if_later(moment(later_g, act.backward_later_layer_bytes, buf("backward_layer"))),
-        *[if_later(moment(later_g, act.backward_later_copy_out_bytes - (k - 1) * a, buf("backward_copy_out")))
-          for k in (1, k_last)],
-        *[layer_end(k, layer_g + k * g, act.backward_layer_end_bytes) for k in (0, 1, k_pen, k_last)],
-        *[if_later(layer_end(k, later_g, act.backward_later_layer_end_bytes)) for k in (0, 1, k_pen, k_last)],
+        *[if_later(copy_out(k, later_g, act.backward_later_post_bytes)) for k in (1, k_last)],
+        *[layer_end(k, layer_g + k * g, act.backward_post_bytes) for k in (0, 1, k_pen, k_last)],
+        *[if_later(layer_end(k, later_g, act.backward_later_post_bytes)) for k in (0, 1, k_pen, k_last)],
         # its LM head's backward: the head's new weight gradient beside the accumulated ones
         if_later(moment(later_g, act.backward_later_head_bytes, buf("backward"))),
         # its end under torch pipelining's step-wide autocast (the weights' compute-dtype gradients waiting)
@@ -361,8 +370,8 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         # first micro-batch)
         moment(where(later, grads, grads - root_shard), act.loss_kept_bytes + act.graph_held_bytes
                + act.backward_end_bytes, buf("backward_end")),
-        # FSDP2 with a tied head: the embedding's backward, before the root's post-backward (its gradient and the
-        # sum with the head's held one beside the root's unsharded parameters)
+        # FSDP2: the embedding's backward, before the root's post-backward (its gradient, and with a tied head the
+        # sum with the held one, beside the root's unsharded parameters)
         moment(where(later, grads, grads - root_shard), act.loss_kept_bytes + act.graph_held_bytes
                + act.backward_root_bytes, buf("backward_root")),
     ]
