@@ -361,6 +361,21 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         H, precision="bf16", gpus=2, zero=2), world="fake")
     add("fake FSDP2 ZeRO-2 bf16 AMP, world 4, grad-accum 2, ffn 1024, seq 8: a later post-backward", dict(
         H, precision="bf16", gpus=4, zero=2, grad_accum=2), world="fake")
+    # torch TP without FSDP2: the embedding's gradient is replicated at V x h (DTensor RowwiseParallel), and each
+    # optimizer op that pairs it with the vocab-sharded parameter redistributes it to a fresh shard
+    T = dict(V, precision="fp32", gpus=2, tp=2, grad_accum=1)
+    add("fake TP2 fp32 SGD, vocab 8192, seq 8: the step's shard of the replicated embedding gradient", T,
+        world="fake")
+    add("fake TP2 fp32 fused AdamW, vocab 8192, seq 8: the fused step's shard", dict(
+        T, optimizer="adamw", optimizer_impl="fused"), world="fake")
+    add("fake TP2 fp32 SGD momentum, vocab 8192, seq 8: the replicated momentum buffer", dict(
+        T, optimizer="sgd-momentum"), world="fake")
+    add("fake TP2+SP bf16 AMP SGD, grad-accum 2, vocab 8192, seq 8: a later embedding gradient, whole", dict(
+        T, precision="bf16", sp=True, grad_accum=2), world="fake")
+    add("fake TP2 bf16 grads + fp32 master SGD, vocab 8192, seq 8: the replicated gradient's upcast", dict(
+        T, precision="bf16", grad_dtype="bf16"), world="fake")
+    add("fake TP2 ZeRO-3 fp32 AdamW on a TP-only mesh (no FSDP2), vocab 8192, seq 8: the replicated gradient",
+        dict(T, zero=3, optimizer="adamw"), world="fake")
     return c
 
 

@@ -225,3 +225,55 @@ def test_fsdp2_tied_head_peaks_at_the_embeddings_backward():
     # and the first layer's reduce-scatter input in flight
     assert bwd["buffers"] - sm.buffers_detail["cublas_workspaces"] == 2 * 2_097_408 + 201_216
     assert sum(bwd.values()) - sm.buffers_detail["cublas_workspaces"] == 10_041_472
+
+
+def test_tp_replicated_embedding_gradient_through_the_step():
+    """torch TP 2 without FSDP2: 2 layers of h 64, f 176, vocab 8192, 8 tokens, fp32 (matrix rows 145-150; the
+    harness's measured figures are quoted). DTensor's RowwiseParallel embedding gets a Replicate 8192 x 64
+    gradient, and each optimizer op pairing it with the Shard(0) parameter makes a fresh 4096 x 64 shard.
+    Per rank: embedding and head shards 2 x 4096 x 64 = 524,288, final norm 64, a layer 3 x 64x32 (q, k, v)
+    + 32x64 (o) + 2 x 88x64 (gate, up) + 64x88 (down) + 2 x 64 (norms) = 25,216: 574,784 elements, 2,299,136 B."""
+    from conftest import run_of
+
+    cw = "cublas_workspaces"
+    shape = dict(layers=2, hidden=64, heads=4, ffn=176, vocab=8192, seq=8, gpus=2, tp=2, precision="fp32")
+    params, extra, shard = 574_784 * 4, (8192 - 4096) * 64 * 4, 4096 * 64 * 4
+    assert (params, extra, shard) == (2_299_136, 1_048_576, 1_048_576)
+
+    def at(run, phase):
+        sm = stage_memory(run, 0)
+        return sum(live(sm, phase).values()) - sm.buffers_detail[cw], sm
+
+    # SGD: params + the replicated gradient + the step's shard (row 145, measured 6,695,560)
+    run = run_of(**shape, optimizer="sgd")
+    assert model_states(run, 0).grads == params + extra == 3_347_712
+    total, sm = at(run, "optimizer")
+    assert sm.buffers_detail["tp_embedding_grad_shard_copy"] == shard
+    assert total == params + (params + extra) + shard == 6_695_424
+    # SGD momentum: the buffer is a clone of the replicated gradient, and the step redistributes it (row 147,
+    # measured 10,043,272)
+    run = run_of(**shape, optimizer="sgd-momentum")
+    assert model_states(run, 0).optimizer == params + extra
+    assert at(run, "optimizer")[0] == params + 2 * (params + extra) + shard == 10_043_136
+    # fused AdamW: two fp32 moments at the shard, and one copy (row 146, measured 11,293,916)
+    run = run_of(**shape, optimizer="adamw", optimizer_impl="fused")
+    assert at(run, "optimizer")[0] == params + (params + extra) + 2 * params + shard == 11_293_696
+    # foreach AdamW: the two copies at `_foreach_addcmul_` (2,097,152 B) stay below the sqrt(v) list (2,299,136 B)
+    run = run_of(**shape, optimizer="adamw")
+    assert at(run, "optimizer")[1].buffers_detail["foreach_adam_temporaries"] == params > 2 * shard
+    # bf16 params and grads, fp32 masters: the upcast is whole and the copy is fp32 (row 149, measured 9,518,984)
+    run = run_of(**{**shape, "precision": "bf16"}, optimizer="sgd", grad_dtype="bf16")
+    upcast = 4 * (574_784 + 4096 * 64)
+    assert at(run, "optimizer")[1].buffers_detail["master_grad_upcast"] == upcast == 3_347_712
+    assert at(run, "optimizer")[0] == params // 2 + params + (params + extra) // 2 + upcast + shard == 9_518_848
+    # a later micro-batch: the new dense gradient is whole beside .grad and the residual stream's gradient
+    # (8 x 64 x 4 = 2,048 B; fp32 form of row 148, measured 7,746,320)
+    run = run_of(**shape, optimizer="sgd", grad_accum=2)
+    assert at(run, "backward")[0] == params + (params + extra) + 8192 * 64 * 4 + 2048 == 7_746_048
+    # ZeRO-3 over a TP-only mesh: FSDP2 is not applied, so the gradient stays replicated (row 150)
+    assert model_states(run_of(**shape, optimizer="adamw", zero=3), 0).grads == params + extra
+    # FSDP2 x TP redistributes it in its post-backward: no extra
+    fsdp = run_of(**{**shape, "gpus": 4}, optimizer="sgd", zero=3)
+    assert model_states(fsdp, 0).grads == params // 2
+    assert "tp_embedding_grad_shard_copy" in stage_memory(fsdp, 0).buffers_detail
+    assert stage_memory(fsdp, 0).buffers_detail["tp_embedding_grad_shard_copy"] == 0

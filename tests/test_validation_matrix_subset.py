@@ -64,6 +64,10 @@ ROWS = {
     138: "FSDP2 AMP over 2 ranks: the root's reduce-scatter output beside the head's gradient",
     140: "FSDP2 ZeRO-3, weight-heavy: a layer's backward copy-out",
     141: "FSDP2 ZeRO-3, weight-heavy: the end of a layer's backward, all its unsharded gradients",
+    145: "TP without FSDP2, SGD: the step's shard of the replicated embedding gradient",
+    147: "TP without FSDP2, SGD momentum: the replicated momentum buffer",
+    148: "TP+SP, AMP, grad-accum 2: a later micro-batch's whole embedding gradient",
+    149: "TP without FSDP2, fp32 masters: the replicated gradient's upcast",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

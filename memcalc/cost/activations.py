@@ -30,6 +30,7 @@ from memcalc.cost.params import (
     head_params,
     mlp_width,
     padded_vocab,
+    replicated_embedding_grad,
     scaled,
     stage_dense_layers,
     stage_layers,
@@ -1584,6 +1585,8 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[N
     down = m.hidden * cdiv(mlp_width(m), run.tp)
     word = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
     head, down, word = scaled(run, head), scaled(run, down), scaled(run, word)
+    # under torch TP the embedding's dense gradient is replicated at V x h (row 148)
+    word = word + replicated_embedding_grad(run, stage)[0]
     waiting = c * cast_grad_elems(run, stage)
     if run.schedule == "interleaved":
         waiting = (waiting - c * head) // run.vpp + c * head

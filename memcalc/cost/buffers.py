@@ -38,6 +38,7 @@ from memcalc.cost.params import (
     attention_matrix_shapes,
     norm_params,
     padded_shard_elems,
+    replicated_embedding_grad,
     stage_tensor_shapes,
     zero1_partition_applies,
     zero1_rank_elems,
@@ -190,20 +191,47 @@ def _te_dummy_wgrad_elems(run: Run, stage: Num = 0) -> Num:
     return total
 
 
+def _steps_every_tensor(run: Run) -> Num:
+    """1 where this rank's optimizer steps every parameter it holds (no ZeRO-1 partition of a larger group)."""
+    return where(run.shard_degree > 1, 0, 1) if run.zero == 1 else 1
+
+
+def _step_embedding_shard_copies(run: Run, stage: Num) -> tuple[Num, Num]:
+    """(bytes of one copy, copies live at once) of the replicated embedding gradient's shard that a torch optimizer
+    step makes under TP (params.replicated_embedding_grad): each op that pairs the Shard(0) parameter or its state
+    with the Replicate gradient (or SGD's Replicate momentum buffer) redistributes that argument to a new shard,
+    freed when the op returns. SGD's `add_` and fused Adam's kernel take one; foreach Adam's `_foreach_addcmul_
+    (exp_avg_sqs, grads, grads)` two, as does the single-tensor `addcmul_(grad, grad.conj())`. The dtype is the
+    stepped gradient's: fp32 with a master copy (its upcast), the moment dtype for SGD's momentum buffer.
+    Measured: docs/validation.md rows 145-147 and 149."""
+    _, shard = replicated_embedding_grad(run, stage)
+    r, opt = run.recipe, run.training.optimizer
+    if opt not in ("sgd", "sgd-momentum", "adam", "adamw") or run.offload != "none" or run.dp_mode == "ps":
+        return 0, 0
+    upcast = r.master_weights and r.grad_dtype != "fp32" and not r.fp32_grad_copy
+    dtype = r.moment_dtype if opt == "sgd-momentum" else ("fp32" if upcast else r.grad_dtype)
+    n = 2 if opt in ("adam", "adamw") and r.optimizer_impl != "fused" else 1
+    return DTYPE_BYTES[dtype] * shard * _steps_every_tensor(run), n
+
+
 def _foreach_temporaries(run: Run, stage: Num) -> dict[str, Buffer]:
     """torch/optim/adam.py `_multi_tensor_adam` (torch >= 2.1): `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`
     allocates one tensor per parameter stepped (moment dtype), then updates it in place; AdamW decays weights in
     place, Adam's L2 decay (`weight_decay != 0`, default 0) would add a grad copy. All tensors of one device/dtype
-    group are stepped at once, so the list covers every element this rank steps."""
+    group are stepped at once, so the list covers every element this rank steps. Under torch TP the step's copies
+    of the replicated embedding gradient's shard come at their own ops (`_step_embedding_shard_copies`): alone
+    for SGD and fused Adam, the larger of the two moments for the other Adams."""
     if run.offload != "none" or run.dp_mode == "ps":
         return {}  # offloaded optimizer or parameter server: the step does not run on this GPU
-    if run.training.optimizer not in ("adam", "adamw"):
-        return {}
+    copy, n_copies = _step_embedding_shard_copies(run, stage) if run.profile == "torch" else (0, 0)
+    alone = {"tp_embedding_grad_shard_copy": Buffer(
+        copy, OPTIMIZER, "the step's shard of the TP-replicated embedding gradient (DTensor redistribute)")}
+    alone = alone if n_copies else {}
     impl = run.recipe.optimizer_impl
-    if impl == "fused":
-        # one in-place kernel per tensor group (torch `_fused_adamw_`; Apex / TE / DeepSpeed FusedAdam): no
+    if run.training.optimizer not in ("adam", "adamw") or impl == "fused":
+        # fused: one in-place kernel per tensor group (torch `_fused_adamw_`; Apex / TE / DeepSpeed FusedAdam), no
         # temporaries (measured: row 67 of docs/validation.md)
-        return {}
+        return alone
     if impl == "for-loop":
         # torch/optim/adam.py `_single_tensor_adam`, one parameter at a time: `denom = (exp_avg_sq.sqrt() /
         # bias_correction2_sqrt).add_(eps)` holds the sqrt and the quotient at once: two tensors of the largest
@@ -212,13 +240,14 @@ def _foreach_temporaries(run: Run, stage: Num) -> dict[str, Buffer]:
         for d0, row, cnt in stage_tensor_shapes(run, stage):
             largest = imax(largest, where(cnt > 0, d0 * row, 0))
         mb = DTYPE_BYTES[run.recipe.moment_dtype]
-        return {"adam_step_temporaries": Buffer(2 * mb * scaled(run, largest), OPTIMIZER,
+        return {"adam_step_temporaries": Buffer(imax(2 * mb * scaled(run, largest), n_copies * copy), OPTIMIZER,
                                                 "single-tensor Adam: sqrt(v) and its quotient for the largest tensor")}
     elems = _trainable_shard_elems(run, stage) if run.zero >= 1 else _trainable_elems(run, stage)
     mb = DTYPE_BYTES[run.recipe.moment_dtype]
     return {
         "foreach_adam_temporaries": Buffer(
-            mb * elems, OPTIMIZER, "foreach Adam's sqrt(v) intermediate list, one per stepped parameter"
+            imax(mb * elems, n_copies * copy), OPTIMIZER,
+            "foreach Adam's sqrt(v) intermediate list, one per stepped parameter"
         )
     }
 
@@ -644,6 +673,8 @@ def stage_buffers(run: Run, stage: Num = 0) -> dict[str, Buffer]:
             # low-precision grads stepped on fp32 masters (apex amp O2 `master_params_to_model_params`, the
             # harness's MasterOptimizer): each grad is upcast to fp32 for the step and dropped after it
             elems = _trainable_shard_elems(run, stage) if run.zero >= 1 else _trainable_elems(run, stage)
+            # under torch TP the embedding's gradient, and so its upcast, is replicated (row 149)
+            elems = elems + replicated_embedding_grad(run, stage)[0] * _steps_every_tensor(run)
             out["master_grad_upcast"] = Buffer(4 * elems, OPTIMIZER, "fp32 copies of the grads for the master step")
     elif run.profile == "megatron":
         out = _megatron_buffers(run, stage)

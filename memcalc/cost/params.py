@@ -358,6 +358,25 @@ def scaled(run: Run, x: Num) -> Num:
     return x if m.params_override is None else muldiv(x, m.params_override, shape_params(m))
 
 
+def replicated_embedding_grad(run: Run, stage: Num) -> tuple[Num, Num]:
+    """torch TP where FSDP2 does not shard the gradients: (elements the word embedding's gradient holds beyond its
+    vocab shard, the shard's elements), both 0 where that does not happen. DTensor's RowwiseParallel shards the
+    embedding along V, but `embedding_dense_backward` runs on the replicated token ids and gradient and returns a
+    Replicate V x h gradient (with SP too); AccumulateGrad keeps it as `.grad`, and an optimizer op that pairs it
+    with the Shard(0) parameter redistributes it to a fresh shard (`Shard._replicate_to_shard` clones its chunk).
+    FSDP2 redistributes it itself before its reduce-scatter (`FSDPParam._get_grad_inner_tensor`). Measured by the
+    harness: docs/validation.md rows 145-150 (validation-findings.md found the replicated gradient itself)."""
+    t = run.training
+    if run.profile != "torch" or t.lora_rank is not None or "embeddings" in t.freeze:
+        return 0, 0
+    m = run.model
+    shard = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
+    extra = padded_vocab(m, run.profile, 1) * m.hidden - shard
+    fsdp = where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
+    applies = (stage == 0) & (fsdp == 0) & (run.tp > 1)
+    return where(applies, scaled(run, extra), 0), where(applies, scaled(run, shard), 0)
+
+
 def matmul_weight_elems(run: Run, stage: Num) -> Num:
     """Parameters of the stage that autocast casts for matmuls: everything but the input embedding, whose lookup
     is not an autocast op, and the norm weights (layer_norm / rms_norm run in fp32 under autocast; the casts

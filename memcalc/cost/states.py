@@ -28,7 +28,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcalc.cost.params import attention_matrix_shapes, mlp_matrix_shapes, mlp_width, stage_layers, stage_params
+from memcalc.cost.params import (
+    attention_matrix_shapes,
+    mlp_matrix_shapes,
+    mlp_width,
+    replicated_embedding_grad,
+    stage_layers,
+    stage_params,
+)
 from memcalc.specs import DTYPE_BYTES, Run
 from memcalc.xp import cdiv, muldiv, where
 
@@ -187,19 +194,21 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
     else:
         grads = gb * (param_shard(dense, expert) if z >= 2 else n)
     # FSDP2 keeps the optimizer state on its per-tensor shards; ZeRO-1 and flat-buffer frameworks pad once
-    if run.profile == "torch" and z < 2 and not finetune:
-        # DTensor RowwiseParallel on nn.Embedding (torchtitan's plan): the weight is vocab-sharded but its gradient
-        # comes back replicated at full V x h on every TP rank (validation-findings.md, measured to the byte).
-        from memcalc.cost.params import embedding_params
-
-        full_emb = embedding_params(m, run.profile, 1)
-        grads = grads + gb * where(stage == 0, full_emb - embedding_params(m, run.profile, run.tp), 0)
+    # DTensor RowwiseParallel on nn.Embedding (torchtitan's plan): the weight is vocab-sharded but its gradient
+    # comes back replicated at full V x h on every TP rank (validation-findings.md, measured to the byte)
+    emb_extra, _ = replicated_embedding_grad(run, stage)
+    grads = grads + gb * emb_extra
     opt_elems = (param_shard(dense, expert) if z >= 2 else shard(dense, expert)) if z >= 1 else n
     if zero1_partition_applies(run):
         opt_elems = zero1_rank_elems(run, stage)  # whole tensors per rank, greedy largest-first
     master = 4 * opt_elems if r.master_weights else 0 * n
     grads_fp32 = 4 * opt_elems if r.fp32_grad_copy else 0 * n
     optimizer = optimizer_state_bytes(run, opt_elems, stage)
+    if run.training.optimizer == "sgd-momentum" and run.profile == "torch":
+        # torch SGD's first step clones each gradient into its momentum buffer (`torch.clone(grad).detach()`), so
+        # the embedding's is replicated like its gradient (measured: docs/validation.md row 147). A ZeRO-1 rank
+        # steps only its partition: left at the shard there.
+        optimizer = optimizer + DTYPE_BYTES[r.moment_dtype] * (where(d > 1, 0, emb_extra) if z >= 1 else emb_extra)
     ps_server = 0 * n
     if run.dp_mode == "ps":
         # parameter server (Li et al. 2014): workers push gradients and pull parameters; the server holds the
