@@ -376,6 +376,19 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         T, precision="bf16", grad_dtype="bf16"), world="fake")
     add("fake TP2 ZeRO-3 fp32 AdamW on a TP-only mesh (no FSDP2), vocab 8192, seq 8: the replicated gradient",
         dict(T, zero=3, optimizer="adamw"), world="fake")
+    # ... and FSDP2 x TP: the post-backward redistributes it to the shard, a clone beside the whole gradient
+    add("fake FSDP2 ZeRO-3 x TP2 fp32 SGD, world 4, vocab 8192, seq 8: the root's replicated dense gradient", dict(
+        T, gpus=4, zero=3), world="fake")
+    # a later micro-batch's down projection: its new weight gradient beside .grad (wide MLP, 8 tokens)
+    add("fake DDP fp32 SGD, grad-accum 2, ffn 1024, seq 8: a later layer's new weight gradient", dict(
+        H, precision="fp32", gpus=2, optimizer="sgd", grad_accum=2), world="fake")
+    add("single bf16 AMP SGD, grad-accum 2, ffn 1024, seq 8: and its fp32 cast", dict(
+        H, precision="bf16", optimizer="sgd", grad_accum=2))
+    add("fake TP2+SP bf16 AMP SGD, grad-accum 2, ffn 1024, seq 8: the same, sharded", dict(
+        H, precision="bf16", gpus=2, tp=2, sp=True, optimizer="sgd", grad_accum=2), world="fake")
+    # AMP: each finished layer of backward frees its autocast copies
+    add("single bf16 AMP SGD, ffn 1024, seq 8: the last layer's backward, earlier layers' copies freed", dict(
+        H, precision="bf16", optimizer="sgd"))
     return c
 
 

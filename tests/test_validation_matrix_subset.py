@@ -68,6 +68,9 @@ ROWS = {
     147: "TP without FSDP2, SGD momentum: the replicated momentum buffer",
     148: "TP+SP, AMP, grad-accum 2: a later micro-batch's whole embedding gradient",
     149: "TP without FSDP2, fp32 masters: the replicated gradient's upcast",
+    151: "FSDP2 x TP: the root's replicated dense gradient and its shard's clone",
+    153: "grad-accum under AMP, wide MLP: the weight gradient and its fp32 cast",
+    154: "grad-accum under AMP with TP+SP, wide MLP",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

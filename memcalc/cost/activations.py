@@ -1512,7 +1512,12 @@ def _fsdp_root_backward(run: Run) -> Num:
         return _NEVER
     m = run.model
     word = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
-    grads = (2 if m.tied_embeddings else 1) * DTYPE_BYTES[run.recipe.compute_dtype] * scaled(run, word)
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
+    grads = (2 if m.tied_embeddings else 1) * c * scaled(run, word)
+    # under TP the dense gradient is replicated (params.replicated_embedding_grad), and the post-backward's
+    # redistribution to the vocab shard clones the shard beside it before freeing it (row 151)
+    extra, shard = replicated_embedding_grad(run, 0, under_fsdp=True)
+    grads = grads + c * (extra + shard)
     return where((run.pp == 1) & (fsdp_sharded(run) == 1), grads, _NEVER)
 
 
@@ -1559,6 +1564,31 @@ def _later_head_backward(run: Run, stage: Num, held: Num) -> tuple[Num, Num]:
     at_cast = where((ac == 1) & (run.pp == 1), base + _residual_grad_bytes(run) + p * head, _NEVER)
     occurs = (stage == run.pp - 1) & (fsdp_sharded(run) == 0)
     return where(occurs, imax(at_mm + dw, at_cast), _NEVER), where(occurs, p * head, 0)
+
+
+def _later_weight_grad(run: Run) -> Num:
+    """A later micro-batch's first layer backward, at its down projection (torch profile, gradients accumulated
+    in `.grad`, dense MLP, no LoRA): the bytes beyond what is held, or 0. Its weight gradient is a new tensor that
+    AccumulateGrad adds to `.grad` in place, made beside the projection's input gradient (`c*tok*f/t` each way:
+    `c*h*f/t`): without autocast both live at once, `c*tok*f/t + p*h*f/t`. Under a per-micro-batch autocast region
+    the matmul makes it in the compute dtype and the cast node, made by this forward, turns it into fp32 once the
+    node has freed its saved input and weight copy (the same sizes as the input gradient and the gradient): the
+    larger of `c*(h + tok)*f/t` and `p*h*f/t`. Under torch pipelining's single region the cast node waits to the
+    end of backward instead (`late_dw`, `_later_backward_end`). The residual stream's gradient is live beside it.
+    Dominates the layer's MLP moment where the weights outweigh the tokens (wide MLPs, short sequences).
+    Measured: docs/validation.md rows 152-154."""
+    m, t = run.model, run.training
+    if run.profile != "torch" or m.moe is not None or t.lora_rank is not None or _dequantizes(t):
+        return 0
+    c, tok, _, _ = _shape(run)
+    p = DTYPE_BYTES[run.recipe.param_dtype]
+    hf = scaled(run, m.hidden * cdiv(m.ffn, run.tp))
+    f_t = cdiv(m.ffn, run.tp)
+    amp = _autocast(run)
+    plain = c * tok * f_t + p * hf
+    cast = imax(c * hf + c * tok * f_t, p * hf)
+    tr = where(amp == 1, where(run.pp > 1, 0, cast), plain)
+    return where(fsdp_sharded(run) == 1, 0, _residual_grad_bytes(run) + tr)
 
 
 def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[Num, Num]:
@@ -1863,6 +1893,11 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     base_bwd = base + head_held
     parts = (base, plain_layers, unit_layers, plain_bytes, kept_bytes, layer_tr, at_layer)
     layer_bwd = _offloaded_layer_at(parts, 0) if off else base_bwd + at_first_layer
+    # a later micro-batch's: also the down projection's new weight gradient beside `.grad` (the pipelining receive
+    # buffer holds the incoming gradient on all but the last stage)
+    later_dw = _later_weight_grad(run)
+    later_layer_bwd = layer_bwd if off else base_bwd + imax(
+        at_first_layer, _layer_moment(mode, where(later_dw > 0, later_dw - recv_stream, 0), remat))
     attn = attention_backward(run, plain)
     modelled = not off and not (isinstance(attn, int) and attn == _NEVER)
     attn_bwd = base_bwd + _layer_moment(mode, _residual_grad_bytes(run) + attn, remat) if modelled else _NEVER
@@ -1911,7 +1946,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_later_bytes=held_later + w_last + where(total_units > 1, bwd_tr, 0) + sent,
         backward_layer_bytes=layer_bwd,
         backward_attention_bytes=attn_bwd,
-        backward_later_layer_bytes=where(total_units > 1, layer_bwd - held + held_later + sent + late_dw
+        backward_later_layer_bytes=where(total_units > 1, later_layer_bwd - held + held_later + sent + late_dw
                                          + _tied_held_grad(run, stage), 0),
         backward_end_bytes=2 * _tied_held_grad(run, stage),
         backward_root_bytes=_fsdp_root_backward(run),

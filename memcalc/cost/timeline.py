@@ -32,6 +32,8 @@ from typing import Any
 from memcalc.cost.activations import _NEVER, fsdp_sharded, loop_holds_graph, stage_activations
 from memcalc.cost.buffers import (
     amp_casts_freed_at_attention,
+    amp_head_cast_freed,
+    amp_layer_casts_freed,
     fsdp_backward_release_bytes,
     fsdp_root_shard_grad_bytes,
     side_stream_pools,
@@ -152,8 +154,10 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
         for ph in b.phases:
             at[ph] = at.get(ph, 0) + b.bytes
             side_at[ph] = side_at.get(ph, 0) + b.side_stream_bytes
-    # the first layer's attention-core backward: the backward's buffers less the autocast copies freed by then
-    at["backward_attention"] = at.get("backward_layer", 0) - amp_casts_freed_at_attention(run)
+    # a layer's backward comes after the LM head's, which freed its autocast copy; the first layer's attention-core
+    # backward: less the copies its layer's later ops freed too
+    at["backward_layer"] = at.get("backward_layer", 0) - amp_head_cast_freed(run)
+    at["backward_attention"] = at["backward_layer"] - amp_casts_freed_at_attention(run)
     grads = s.grads + s.grads_fp32
     first_grads, shares = _first_grads(run, stage), _layer_shares(run, stage)
     phases = _phases(run, s, act, at, grads, first_grads, shares)
@@ -192,12 +196,13 @@ def _peak(phases: tuple[Phase, ...]) -> Num:
 
 def _layer_shares(run: Run, stage: Num) -> tuple[Num, Num, Num, Num]:
     """What each finished layer of backward changes: (elements of one layer, of the stage), i.e. one layer's share
-    of the stage's gradients, and the buffer bytes it frees (`buffers.fsdp_backward_release_bytes`); and FSDP2's
+    of the stage's gradients, and the buffer bytes it frees (`buffers.fsdp_backward_release_bytes`, the autocast
+    copies of `buffers.amp_layer_casts_freed`); and FSDP2's
     root sharded gradient bytes, not yet made at the root's reduce-scatter (`buffers.fsdp_root_shard_grad_bytes`)."""
     dense_l, expert_l = layer_params(run.model, run.tp, run.ep)
     dense_s, expert_s = stage_params(run, stage)
-    return (dense_l + expert_l, imax(dense_s + expert_s, 1), fsdp_backward_release_bytes(run, stage),
-            fsdp_root_shard_grad_bytes(run, stage))
+    freed = fsdp_backward_release_bytes(run, stage) + amp_layer_casts_freed(run)
+    return (dense_l + expert_l, imax(dense_s + expert_s, 1), freed, fsdp_root_shard_grad_bytes(run, stage))
 
 
 def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
