@@ -308,47 +308,43 @@ def _amp_head_cast_saved(run: Run) -> Buffer:
                   "the LM head's autocast weight copy, saved by its matmul until its backward (recompute)")
 
 
-def amp_casts_freed_at_attention(run: Run) -> Num:
-    """Of `_amp_casts`' saved copies, those of the first layer's output projection and MLP (router, experts), which
-    their backward frees before the attention core's (`activations.attention_backward`); 0 where the copies are
-    not held through backward (full or op-level recompute, FSDP2's sharded units, LoRA's casts of the adapters)."""
+def _amp_copies_held(run: Run) -> Num:
+    """1 where `_amp_casts`' saved copies are held through backward and freed op by op, else 0: not under full or
+    op-level recompute (re-cast per layer), FSDP2's sharded units, LoRA (casts of the adapters only) or
+    pipelining (the step's autocast cache keeps them, `_amp_casts_step_cache`)."""
     r, t = run.recipe, run.training
     if run.profile != "torch" or not r.compute_copy or t.lora_rank is not None or t.recompute in ("full", "op"):
         return 0
-    # (pipelining: the step's autocast cache keeps them, `_amp_casts_step_cache`)
     kept = ((run.zero >= 2) & (run.shard_degree > 1)) | (run.pp > 1)
-    return where(kept, 0, DTYPE_BYTES[r.compute_dtype] * after_core_layer_elems(run)[0])
+    return where(kept, 0, 1)
+
+
+def amp_casts_freed_at_attention(run: Run) -> Num:
+    """Of `_amp_casts`' saved copies, those of the first layer's output projection and MLP (router, experts), which
+    their backward frees before the attention core's (`activations.attention_backward`)."""
+    return _amp_copies_held(run) * DTYPE_BYTES[run.recipe.compute_dtype] * after_core_layer_elems(run)[0]
 
 
 def amp_layer_casts_freed(run: Run) -> Num:
     """Of `_amp_casts`' saved copies, one layer's (its matrices and biases; not the norms, which autocast leaves in
     fp32), which that layer's backward frees: each finished layer of backward lowers the buffer by this much
-    (timeline `rel`). 0 where the copies are not held through backward (as `amp_casts_freed_at_attention`).
-    Without it the last layers' moments of a long AMP backward kept every layer's copy: +7.9% on a weight-heavy
-    single-GPU shape (docs/validation.md row 155)."""
-    r, t = run.recipe, run.training
-    if run.profile != "torch" or not r.compute_copy or t.lora_rank is not None or t.recompute in ("full", "op"):
-        return 0
+    (timeline `rel`). Without it the last layers' moments of a long AMP backward kept every layer's copy: +7.9% on
+    a weight-heavy single-GPU shape (docs/validation.md row 155)."""
     m = run.model
     dense, expert = layer_params(m, run.tp, run.ep)
     mats = scaled(run, dense + expert - layer_norms(m) * norm_params(m))
-    kept = ((run.zero >= 2) & (run.shard_degree > 1)) | (run.pp > 1)
-    return where(kept, 0, DTYPE_BYTES[r.compute_dtype] * mats)
+    return _amp_copies_held(run) * DTYPE_BYTES[run.recipe.compute_dtype] * mats
 
 
 def amp_head_cast_freed(run: Run) -> Num:
     """Of `_amp_casts`' saved copies, the LM head's (its weight and bias), which the head's backward frees before
-    any layer's backward moment; 0 where the copies are not held through backward (as
-    `amp_casts_freed_at_attention`), where the head is frozen in the compute dtype (LoRA) or quantized.
-    Measured: docs/validation.md rows 153-155 (the layer moments under AMP)."""
-    r, t = run.recipe, run.training
-    if run.profile != "torch" or not r.compute_copy or t.lora_rank is not None or t.recompute in ("full", "op"):
-        return 0
+    any layer's backward moment; 0 where the head is frozen or quantized. Measured: docs/validation.md rows
+    153-155 (the layer moments under AMP)."""
+    t = run.training
     if "head" in t.freeze or t.quantize_head:
         return 0
-    kept = ((run.zero >= 2) & (run.shard_degree > 1)) | (run.pp > 1)
     head = scaled(run, head_params(run.model, run.profile, run.tp))
-    return where(kept, 0, DTYPE_BYTES[r.compute_dtype] * head)
+    return _amp_copies_held(run) * DTYPE_BYTES[run.recipe.compute_dtype] * head
 
 
 def _pipeline_recv_buffers(run: Run, stage: Num) -> Num:

@@ -154,9 +154,10 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
         for ph in b.phases:
             at[ph] = at.get(ph, 0) + b.bytes
             side_at[ph] = side_at.get(ph, 0) + b.side_stream_bytes
-    # a layer's backward comes after the LM head's, which freed its autocast copy; the first layer's attention-core
-    # backward: less the copies its layer's later ops freed too
-    at["backward_layer"] = at.get("backward_layer", 0) - amp_head_cast_freed(run)
+    # a layer's backward and its end come after the LM head's, which freed its autocast copy; the first layer's
+    # attention-core backward: less the copies its layer's later ops freed too
+    for ph in ("backward_layer", "backward_post"):
+        at[ph] = at.get(ph, 0) - amp_head_cast_freed(run)
     at["backward_attention"] = at["backward_layer"] - amp_casts_freed_at_attention(run)
     grads = s.grads + s.grads_fp32
     first_grads, shares = _first_grads(run, stage), _layer_shares(run, stage)
