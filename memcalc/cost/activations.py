@@ -27,6 +27,7 @@ from memcalc.cost.params import (
     dense_layer_run,
     first_backward_grad_elems,
     first_dense_layers,
+    fsdp_sharded,
     head_params,
     mlp_width,
     padded_vocab,
@@ -34,6 +35,7 @@ from memcalc.cost.params import (
     scaled,
     stage_dense_layers,
     stage_layers,
+    word_embedding_elems,
 )
 from memcalc.specs import DTYPE_BYTES, Run, lora_projections
 from memcalc.xp import cdiv, imax, imin, where
@@ -1481,12 +1483,6 @@ def _residual_grad_bytes(run: Run) -> Num:
     return _stream_bytes(run, c) * tok_sp * run.model.hidden
 
 
-def fsdp_sharded(run: Run) -> Num:
-    """1 where FSDP2 shards the gradients (ZeRO-2/3 over more than one rank: unsharded gradient buffers reduced per
-    unit, not `.grad` accumulated in place), else 0."""
-    return where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
-
-
 def _tied_held_grad(run: Run, stage: Num) -> Num:
     """A tied LM head's weight gradient held by autograd until the embedding's arrives (pp = 1, torch, not FSDP2):
     the shared matrix's AccumulateGrad node has two inputs, so the head's gradient waits in its input buffer from
@@ -1495,8 +1491,8 @@ def _tied_held_grad(run: Run, stage: Num) -> Num:
     m, t = run.model, run.training
     if run.profile != "torch" or not m.tied_embeddings or not _head_trains(run) or t.quantize_head:
         return 0
-    word = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
-    return where((run.pp == 1) & (fsdp_sharded(run) == 0), DTYPE_BYTES[run.recipe.param_dtype] * scaled(run, word), 0)
+    p = DTYPE_BYTES[run.recipe.param_dtype]
+    return where((run.pp == 1) & (fsdp_sharded(run) == 0), p * word_embedding_elems(run), 0)
 
 
 def _fsdp_root_backward(run: Run) -> Num:
@@ -1510,10 +1506,8 @@ def _fsdp_root_backward(run: Run) -> Num:
     frozen = t.lora_rank is not None or "embeddings" in t.freeze
     if run.profile != "torch" or frozen:
         return _NEVER
-    m = run.model
-    word = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
     c = DTYPE_BYTES[run.recipe.compute_dtype]
-    grads = (2 if m.tied_embeddings else 1) * c * scaled(run, word)
+    grads = (2 if run.model.tied_embeddings else 1) * c * word_embedding_elems(run)
     # under TP the dense gradient is replicated (params.replicated_embedding_grad), and the post-backward's
     # redistribution to the vocab shard clones the shard beside it before freeing it (row 151)
     extra, shard = replicated_embedding_grad(run, 0, under_fsdp=True)
@@ -1569,11 +1563,11 @@ def _later_head_backward(run: Run, stage: Num, held: Num) -> tuple[Num, Num]:
 def _later_weight_grad(run: Run) -> Num:
     """A later micro-batch's first layer backward, at its down projection (torch profile, gradients accumulated
     in `.grad`, dense MLP, no LoRA): the bytes beyond what is held, or 0. Its weight gradient is a new tensor that
-    AccumulateGrad adds to `.grad` in place, made beside the projection's input gradient (`c*tok*f/t` each way:
-    `c*h*f/t`): without autocast both live at once, `c*tok*f/t + p*h*f/t`. Under a per-micro-batch autocast region
-    the matmul makes it in the compute dtype and the cast node, made by this forward, turns it into fp32 once the
-    node has freed its saved input and weight copy (the same sizes as the input gradient and the gradient): the
-    larger of `c*(h + tok)*f/t` and `p*h*f/t`. Under torch pipelining's single region the cast node waits to the
+    AccumulateGrad adds to `.grad` in place, made beside the projection's input gradient `c*tok*f/t`: without
+    autocast both live at once, `c*tok*f/t + p*h*f/t`. Under a per-micro-batch autocast region the matmul makes it
+    in the compute dtype (`c*h*f/t`), and the cast node, made by this forward, turns it into fp32 once the node has
+    freed its saved input and weight copy (the sizes of the input gradient and of that gradient): the larger of
+    `c*(h + tok)*f/t` and `p*h*f/t`. Under torch pipelining's single region the cast node waits to the
     end of backward instead (`late_dw`, `_later_backward_end`). The residual stream's gradient is live beside it.
     Dominates the layer's MLP moment where the weights outweigh the tokens (wide MLPs, short sequences).
     Measured: docs/validation.md rows 152-154."""
@@ -1582,7 +1576,7 @@ def _later_weight_grad(run: Run) -> Num:
         return 0
     c, tok, _, _ = _shape(run)
     p = DTYPE_BYTES[run.recipe.param_dtype]
-    hf = scaled(run, m.hidden * cdiv(m.ffn, run.tp))
+    hf = first_backward_grad_elems(run, 0)[1]  # the down projection, h x f/t
     f_t = cdiv(m.ffn, run.tp)
     amp = _autocast(run)
     plain = c * tok * f_t + p * hf
@@ -1613,10 +1607,9 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[N
     frozen = run.training.freeze
     head = where(last, head_params(m, run.profile, run.tp), 0) if "head" not in frozen else 0
     down = m.hidden * cdiv(mlp_width(m), run.tp)
-    word = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
-    head, down, word = scaled(run, head), scaled(run, down), scaled(run, word)
+    head, down = scaled(run, head), scaled(run, down)
     # under torch TP the embedding's dense gradient is replicated at V x h (row 148)
-    word = word + replicated_embedding_grad(run, stage)[0]
+    word = word_embedding_elems(run) + replicated_embedding_grad(run, stage)[0]
     waiting = c * cast_grad_elems(run, stage)
     if run.schedule == "interleaved":
         waiting = (waiting - c * head) // run.vpp + c * head

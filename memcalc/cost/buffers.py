@@ -31,6 +31,7 @@ from memcalc.cost.params import (
     head_params,
     dense_layer_params,
     first_dense_layers,
+    fsdp_sharded,
     layer_norms,
     layer_params,
     layer_tensor_shapes,
@@ -41,6 +42,7 @@ from memcalc.cost.params import (
     padded_shard_elems,
     replicated_embedding_grad,
     stage_tensor_shapes,
+    steps_every_tensor,
     zero1_partition_applies,
     zero1_rank_elems,
     root_tensor_shapes,
@@ -192,11 +194,6 @@ def _te_dummy_wgrad_elems(run: Run, stage: Num = 0) -> Num:
     return total
 
 
-def _steps_every_tensor(run: Run) -> Num:
-    """1 where this rank's optimizer steps every parameter it holds (no ZeRO-1 partition of a larger group)."""
-    return where(run.shard_degree > 1, 0, 1) if run.zero == 1 else 1
-
-
 def _step_embedding_shard_copies(run: Run, stage: Num) -> tuple[Num, Num]:
     """(bytes of one copy, copies live at once) of the replicated embedding gradient's shard that a torch optimizer
     step makes under TP (params.replicated_embedding_grad): each op that pairs the Shard(0) parameter or its state
@@ -212,7 +209,7 @@ def _step_embedding_shard_copies(run: Run, stage: Num) -> tuple[Num, Num]:
     upcast = r.master_weights and r.grad_dtype != "fp32" and not r.fp32_grad_copy
     dtype = r.moment_dtype if opt == "sgd-momentum" else ("fp32" if upcast else r.grad_dtype)
     n = 2 if opt in ("adam", "adamw") and r.optimizer_impl != "fused" else 1
-    return DTYPE_BYTES[dtype] * shard * _steps_every_tensor(run), n
+    return DTYPE_BYTES[dtype] * shard * steps_every_tensor(run), n
 
 
 def _foreach_temporaries(run: Run, stage: Num) -> dict[str, Buffer]:
@@ -315,8 +312,7 @@ def _amp_copies_held(run: Run) -> Num:
     r, t = run.recipe, run.training
     if run.profile != "torch" or not r.compute_copy or t.lora_rank is not None or t.recompute in ("full", "op"):
         return 0
-    kept = ((run.zero >= 2) & (run.shard_degree > 1)) | (run.pp > 1)
-    return where(kept, 0, 1)
+    return where((fsdp_sharded(run) == 1) | (run.pp > 1), 0, 1)
 
 
 def amp_casts_freed_at_attention(run: Run) -> Num:
@@ -702,7 +698,7 @@ def stage_buffers(run: Run, stage: Num = 0) -> dict[str, Buffer]:
             # harness's MasterOptimizer): each grad is upcast to fp32 for the step and dropped after it
             elems = _trainable_shard_elems(run, stage) if run.zero >= 1 else _trainable_elems(run, stage)
             # under torch TP the embedding's gradient, and so its upcast, is replicated (row 149)
-            elems = elems + replicated_embedding_grad(run, stage)[0] * _steps_every_tensor(run)
+            elems = elems + replicated_embedding_grad(run, stage)[0] * steps_every_tensor(run)
             out["master_grad_upcast"] = Buffer(4 * elems, OPTIMIZER, "fp32 copies of the grads for the master step")
     elif run.profile == "megatron":
         out = _megatron_buffers(run, stage)

@@ -358,6 +358,24 @@ def scaled(run: Run, x: Num) -> Num:
     return x if m.params_override is None else muldiv(x, m.params_override, shape_params(m))
 
 
+def fsdp_sharded(run: Run) -> Num:
+    """1 where FSDP2 shards the gradients (ZeRO-2/3 over more than one rank: unsharded gradient buffers reduced per
+    unit, not `.grad` accumulated in place), else 0."""
+    return where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
+
+
+def steps_every_tensor(run: Run) -> Num:
+    """1 where this rank's optimizer steps every parameter it holds (no ZeRO-1 partition over a larger group)."""
+    return where(run.shard_degree > 1, 0, 1) if run.zero == 1 else 1
+
+
+def word_embedding_elems(run: Run) -> Num:
+    """The word embedding's rows on one TP rank (vocab-parallel) times h, scaled to `--params N`: the size of its
+    gradient, and of a tied LM head's."""
+    m = run.model
+    return scaled(run, cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden)
+
+
 def replicated_embedding_grad(run: Run, stage: Num, under_fsdp: bool = False) -> tuple[Num, Num]:
     """torch TP where FSDP2 does not shard the gradients: (elements the word embedding's gradient holds beyond its
     vocab shard, the shard's elements), both 0 where that does not happen. DTensor's RowwiseParallel shards the
@@ -373,8 +391,9 @@ def replicated_embedding_grad(run: Run, stage: Num, under_fsdp: bool = False) ->
     m = run.model
     shard = cdiv(padded_vocab(m, run.profile, run.tp), run.tp) * m.hidden
     extra = padded_vocab(m, run.profile, 1) * m.hidden - shard
-    fsdp = where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
-    applies = (stage == 0) & (run.tp > 1) if under_fsdp else (stage == 0) & (fsdp == 0) & (run.tp > 1)
+    applies = (stage == 0) & (run.tp > 1)
+    if not under_fsdp:
+        applies = applies & (fsdp_sharded(run) == 0)
     return where(applies, scaled(run, extra), 0), where(applies, scaled(run, shard), 0)
 
 

@@ -35,6 +35,7 @@ from memcalc.cost.params import (
     replicated_embedding_grad,
     stage_layers,
     stage_params,
+    steps_every_tensor,
 )
 from memcalc.specs import DTYPE_BYTES, Run
 from memcalc.xp import cdiv, muldiv, where
@@ -208,7 +209,7 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
         # torch SGD's first step clones each gradient into its momentum buffer (`torch.clone(grad).detach()`), so
         # the embedding's is replicated like its gradient (measured: docs/validation.md row 147). A ZeRO-1 rank
         # steps only its partition: left at the shard there.
-        optimizer = optimizer + DTYPE_BYTES[r.moment_dtype] * (where(d > 1, 0, emb_extra) if z >= 1 else emb_extra)
+        optimizer = optimizer + DTYPE_BYTES[r.moment_dtype] * emb_extra * steps_every_tensor(run)
     ps_server = 0 * n
     if run.dp_mode == "ps":
         # parameter server (Li et al. 2014): workers push gradients and pull parameters; the server holds the

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcalc.cost.activations import _NEVER, fsdp_sharded, loop_holds_graph, stage_activations
+from memcalc.cost.activations import _NEVER, loop_holds_graph, stage_activations
 from memcalc.cost.buffers import (
     amp_casts_freed_at_attention,
     amp_head_cast_freed,
@@ -42,6 +42,7 @@ from memcalc.cost.buffers import (
 from memcalc.cost.params import (
     first_attention_grad_elems,
     first_backward_grad_elems,
+    fsdp_sharded,
     layer_params,
     lora_first_grad_elems,
     stage_params,
@@ -198,8 +199,8 @@ def _peak(phases: tuple[Phase, ...]) -> Num:
 def _layer_shares(run: Run, stage: Num) -> tuple[Num, Num, Num, Num]:
     """What each finished layer of backward changes: (elements of one layer, of the stage), i.e. one layer's share
     of the stage's gradients, and the buffer bytes it frees (`buffers.fsdp_backward_release_bytes`, the autocast
-    copies of `buffers.amp_layer_casts_freed`); and FSDP2's
-    root sharded gradient bytes, not yet made at the root's reduce-scatter (`buffers.fsdp_root_shard_grad_bytes`)."""
+    copies of `buffers.amp_layer_casts_freed`); and FSDP2's root sharded gradient bytes, not yet made at the
+    root's reduce-scatter (`buffers.fsdp_root_shard_grad_bytes`)."""
     dense_l, expert_l = layer_params(run.model, run.tp, run.ep)
     dense_s, expert_s = stage_params(run, stage)
     freed = fsdp_backward_release_bytes(run, stage) + amp_layer_casts_freed(run)
@@ -300,7 +301,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # the ends of backward, not per layer; FSDP2 reduces the root's only at the end). FSDP2 prefetches the next
     # unit in every layer's backward but the stage's last layer's ("backward_prefetch").
     a, n_l = act.layer_freed_bytes, act.layers
-    # rel: buffer bytes a finished layer frees (FSDP2 ZeRO-2's reshard)
+    # rel: buffer bytes a finished layer frees (FSDP2 ZeRO-2's reshard, or the layer's autocast copies)
     layer_elems, stage_elems, rel, root_shard = shares
     g = 0 * grads if s.grads_persistent else muldiv(grads, layer_elems, stage_elems)
     more = n_l > 1
