@@ -389,13 +389,30 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     # AMP: each finished layer of backward frees its autocast copies
     add("single bf16 AMP SGD, ffn 1024, seq 8: the last layer's backward, earlier layers' copies freed", dict(
         H, precision="bf16", optimizer="sgd"))
+    # PP x TP (torchtitan's layout: each stage TP-sharded, loss_parallel on the last); `rank` picks the stage
+    add("PP2 x TP2 1F1B fp32, last stage: loss_parallel's per-token indices", dict(
+        L, precision="fp32", gpus=4, pp=2, tp=2, grad_accum=4, rank=2))
+    add("PP2 x TP2+SP 1F1B fp32, first stage: the down projection's all-gathered gradient", dict(
+        L, precision="fp32", gpus=4, pp=2, tp=2, sp=True, grad_accum=4, rank=0))
+    add("PP2 x TP2+SP 1F1B bf16 AMP, first stage: the reduce-scatter's copy and the MLP's fp32 input", dict(
+        L, precision="bf16", gpus=4, pp=2, tp=2, sp=True, grad_accum=4, rank=0))
+    add("PP2 x TP2+SP 1F1B bf16 AMP selective recompute, first stage", dict(
+        L, precision="bf16", gpus=4, pp=2, tp=2, sp=True, grad_accum=4, recompute="selective", rank=0))
+    add("PP2 x TP2+SP 1F1B bf16 AMP full recompute, first stage: the embedding's gathered gradient", dict(
+        L, precision="bf16", gpus=4, pp=2, tp=2, sp=True, grad_accum=4, recompute="full", rank=0))
+    add("PP2 x TP2 GPipe bf16 AMP, first stage: the forward sends keep their outputs", dict(
+        L, precision="bf16", gpus=4, pp=2, tp=2, grad_accum=4, schedule="gpipe", rank=0))
+    add("PP2 x TP2+SP GPipe bf16 AMP, last stage", dict(
+        L, precision="bf16", gpus=4, pp=2, tp=2, sp=True, grad_accum=4, schedule="gpipe", rank=3))
+    add("PP2 GPipe bf16 AMP, first stage: the forward sends keep their outputs", dict(
+        L, precision="bf16", gpus=2, pp=2, grad_accum=4, schedule="gpipe", rank=0))
     return c
 
 
 def build(opts: dict[str, Any], model: dict[str, Any]) -> Any:
     from memcalc.options import RunOptions, build_run
 
-    run = build_run(RunOptions(**opts))
+    run = build_run(RunOptions(**{k: v for k, v in opts.items() if k != "rank"}))
     if model:
         from memcalc.specs import ModelSpec, resolve
 
@@ -415,9 +432,10 @@ def measure(run: Any, opts: dict[str, Any], world: str, device: str, timeout: fl
     the previous all-gather output when the next is allocated (the note at the top of docs/validation.md)."""
     from memcalc.validate.api import validate
 
-    rep = validate(run, device=device, world=world, tolerance=0.02, timeout=timeout)
+    rank = opts.get("rank")  # default: the predicted worst rank
+    rep = validate(run, device=device, world=world, tolerance=0.02, timeout=timeout, rank=rank)
     if abs(rep["error"] or 0) > 0.02 and world == "real" and opts.get("zero", 0) >= 2:
-        return validate(run, device=device, world=world, tolerance=0.02, timeout=timeout), rep["error"]
+        return validate(run, device=device, world=world, tolerance=0.02, timeout=timeout, rank=rank), rep["error"]
     return rep, None
 
 
@@ -536,8 +554,8 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "The tracker skips what owns no memory: wrapper tensor subclasses (functional collectives'",
            "`AsyncCollectiveTensor`, whose placeholder storage has no data) and the global-shape fake tensors DTensor",
            "builds to propagate shapes (visible under `--device meta`). TP runs use DTensor's `loss_parallel` on",
-           "vocab-sharded logits (torchtitan's default) except under pipelining, whose schedules call the loss on",
-           "plain tensors. gloo's reduce-scatter copies its input internally (NCCL does not): that copy is not",
+           "vocab-sharded logits (torchtitan's default), pipelined or not (the last stage's output is a DTensor and",
+           "the schedule's step runs inside `loss_parallel()`, as torchtitan's does). gloo's reduce-scatter copies its input internally (NCCL does not): that copy is not",
            "counted. Real gloo worlds are not fully deterministic: gloo's worker thread may still hold the previous",
            "FSDP2 all-gather output when the next one is allocated, so an FSDP2 ZeRO-3 row can measure one flat",
            "all-gather buffer more from run to run (seen on row 27: 3,809,324 or 3,875,372 bytes).",
@@ -573,7 +591,8 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "final norm, LM head, fp32 cross-entropy. Layouts: DDP, DDP + ZeroRedundancyOptimizer (ZeRO-1), FSDP2 "
            "fully_shard per block (ZeRO-2: reshard_after_forward=False; ZeRO-3: default) with "
            "MixedPrecisionPolicy(bf16, reduce fp32), DTensor TP (+SequenceParallel), FSDP2 x TP, "
-           "torch.distributed.pipelining GPipe / 1F1B, all-to-all context parallelism (DeepSpeed-Ulysses' "
+           "torch.distributed.pipelining GPipe / 1F1B / interleaved 1F1B, PP x TP (+SP, x FSDP2: torchtitan's 3-D "
+           "layout), all-to-all context parallelism (DeepSpeed-Ulysses' "
            "exchange of Q, K, V and the output with gloo's all_to_all_single, over DDP or FSDP2 on dp x cp); "
            "AMP autocast, pure bf16, bf16 params with an fp32 master "
            "copy; AdamW / Adam / SGD; non-reentrant checkpointing per block (full) or around the attention core "

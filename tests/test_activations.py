@@ -835,11 +835,12 @@ def test_torch_1f1b_keeps_its_last_send_ops_and_a_warm_up_send():
     # backward has no new stream gradient on stage 0, and its later layers have one again
     assert s0.layer_k_extra_bytes == 16_384 and s1.layer_k_extra_bytes == 0
     # GPipe waits for its backward sends when the step ends: at its second backward the first one's input gradient
-    # (stage 1; stage 0 sends none), and no forward follows a backward
+    # (stage 1; stage 0 sends none); and it keeps its forward sends' works to the end of the step, so stage 0 (the
+    # last sends no output) still references the first micro-batch's output there; no forward follows a backward
     gp = build_run(RunOptions(layers=4, hidden=64, heads=4, ffn=176, vocab=512, seq=64, precision="fp32", gpus=2,
                               pp=2, grad_accum=4, schedule="gpipe"))
     assert stage_activations(gp, 1).detail["pipeline_sent_transient"] == 16_384
-    assert stage_activations(gp, 0).detail["pipeline_sent_transient"] == 0
+    assert stage_activations(gp, 0).detail["pipeline_sent_transient"] == 16_384
     assert stage_activations(gp, 1).steady_forward_sent_bytes == 0
 
 
@@ -1058,3 +1059,36 @@ def test_full_recompute_keeps_the_stream_in_its_dtype():
     meg = layer_terms(make(m, "megatron", seq=2048, precision="bf16"), "full")["checkpoint_input"]
     assert amp == 4 * 2048 * 4096 == 32 * 2**20
     assert pure == meg == 2 * 2048 * 4096
+
+
+def test_pipeline_x_tp_terms_measured_op_by_op():
+    """PP2 x TP2 (torchtitan's layout), 4 layers of h 64, 4 heads, f 176, V 512, 64 tokens per micro-batch, m 4;
+    stage 0 has 2 layers. Each term below was missing until the harness ran PP x TP (docs/validation.md rows
+    156-163, now within 0.01%; before: -0.12% / -0.84% / -0.17% / -0.53% / -0.74%).
+    - loss_parallel's backward (last stage): beside its 3 fp32 logit-sized tensors, 33 bytes a token of index and
+      mask vectors: 12 x 64 x 256 + 33 x 64 = 196,608 + 2,112 = 198,720 (no such vectors without TP: 8 x 64 x 512).
+    - SP, the end of a layer's forward: the reduce-scatter's concatenated copy (c tok h) and its output
+      (c tok/t h): fp32 4 x (64 + 32) x 64 = 24,576 more than without SP; under AMP also the MLP's fp32 argument
+      (4 tok h = 16,384) beside the bf16 copy and output 2 x 96 x 64 = 12,288.
+    - GPipe keeps its forward sends' works to the step's end: stage 0 references micro-batch 0's output (fp32,
+      64 x 64 x 4 = 16,384) at its second backward."""
+    from conftest import run_of
+
+    base = dict(layers=4, hidden=64, heads=4, ffn=176, vocab=512, seq=64, gpus=4, pp=2, tp=2, grad_accum=4)
+    tp_fp32 = run_of(**base, precision="fp32")
+    assert loss_transients(tp_fp32)[1] == 12 * 64 * 256 + 33 * 64 == 198_720
+    one = run_of(**{**base, "gpus": 2, "tp": 1}, precision="fp32")
+    assert loss_transients(one)[1] == 8 * 64 * 512
+    # the forward end beyond the saved set, the down projection's output c tok h and the stage's layers: compare
+    # with the moment's value without the new terms (the same run without SP has none of them in fp32)
+    sp = run_of(**base, precision="fp32", sp=True)
+    a_sp, a_tp = stage_activations(sp, 0), stage_activations(tp_fp32, 0)
+    extra_sp = a_sp.forward_layer_end_bytes - a_sp.held_bytes
+    extra_tp = a_tp.forward_layer_end_bytes - a_tp.held_bytes
+    assert extra_tp == 4 * 64 * 64  # the down projection's output (measured: nothing more at its all-reduce)
+    assert extra_sp == 4 * 64 * 64 + 4 * (64 + 32) * 64 == 40_960
+    amp = run_of(**base, precision="bf16", sp=True)
+    a_amp = stage_activations(amp, 0)
+    assert a_amp.forward_layer_end_bytes - a_amp.held_bytes == 2 * 64 * 64 + 4 * 64 * 64 + 2 * 96 * 64 == 36_864
+    gp = run_of(**base, precision="bf16", schedule="gpipe")
+    assert stage_activations(gp, 0).detail["pipeline_sent_transient"] == 4 * 64 * 64

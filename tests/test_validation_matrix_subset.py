@@ -71,6 +71,10 @@ ROWS = {
     151: "FSDP2 x TP: the root's replicated dense gradient and its shard's clone",
     153: "grad-accum under AMP, wide MLP: the weight gradient and its fp32 cast",
     154: "grad-accum under AMP with TP+SP, wide MLP",
+    156: "PP x TP, last stage: loss_parallel under the pipelining schedule",
+    158: "PP x TP + SP under AMP, first stage: the forward end's reduce-scatter and fp32 MLP input",
+    160: "PP x TP + SP under AMP, full recompute: the embedding's all-gathered gradient",
+    161: "PP x TP GPipe under AMP: the forward sends keep their outputs",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

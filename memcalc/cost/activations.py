@@ -767,7 +767,8 @@ def loss_transients(run: Run) -> tuple[Num, Num]:
     torch with TP runs DTensor's `loss_parallel` (torch/distributed/tensor/parallel/loss.py, torchtitan's
     default) on the vocab shards: its log-softmax keeps the shifted logits and their exp together (one more fp32
     copy in forward), and its fused nll + log-softmax backward holds `zeros_like`, `exp(x)` and their sum (or the
-    product) at once: 3 x 4 bytes (measured op by op, `memcalc validate`).
+    product) at once: 3 x 4 bytes, plus 33 bytes a token of indices and masks (measured op by op, `memcalc
+    validate`).
     chunked-eager: in forward, all compute-dtype logits (the model's chunk list, deleted after the loss) and the
     last chunk's fp32 upcast; in backward, one chunk's two fp32 gradients (nll's and log_softmax's). The chunks'
     compute-dtype gradients then accumulate while their saved fp32 chunks are freed: never more.
@@ -812,6 +813,11 @@ def loss_transients(run: Run) -> tuple[Num, Num]:
     elif run.training.keep_logits == "fp32":
         fwd = 4 * n32 * dtensor_ce
     bwd = (c * n if inplace else 0) + (0 if inplace else (8 + 4 * dtensor_ce) * n32)
+    # and, beside them, its per-token index and weight vectors (`_nll_loss_and_log_softmax_backward`:
+    # safe_target, the mask, masked_safe_target and arange_1d as int64 / bool, grad_update and the masked
+    # grad_output in fp32): 8 + 1 + 8 + 8 + 4 + 4 = 33 bytes a token
+    _, tok, _, _ = _shape(run)
+    bwd = bwd + 33 * tok * r * dtensor_ce
     return fwd, bwd
 
 
@@ -1213,6 +1219,22 @@ def _stream_unsaved(run: Run) -> Num:
     return n * stream * _shape(run)[2] * run.model.hidden
 
 
+def _mlp_forward_extra(run: Run) -> Num:
+    """torch, a plain layer's down projection output in forward, beyond that output: under autocast the MLP's
+    argument, the norm's fp32 output, which no matmul saves (each saves its own compute-dtype cast,
+    `_input_copies`), 4*tok_in*h; under SP the reduce-scatter of the row-parallel output, which concatenates the
+    sequence chunks into a new tensor before scattering (torch/distributed/_functional_collectives.py,
+    `reduce_scatter_tensor` with scatter_dim 1), c*tok*h, and its output c*tok_sp*h. Measured: docs/validation.md
+    (the PP x TP rows, whose first stage peaks at this moment)."""
+    if run.profile != "torch" or run.model.moe is not None:
+        return 0
+    c, tok, tok_sp, tok_in = _shape(run)
+    h = run.model.hidden
+    arg = _autocast(run) * 4 * tok_in * h
+    rs = where(run.tp > 1, c * (tok + tok_sp) * h, 0) if run.sp else 0
+    return arg + rs
+
+
 def _down_matmul_extra(run: Run, mode: str, plain_layers: Num) -> Num:
     """At the last layer's down (or proj) projection's matmul, what is live beyond the saved set: the MLP's input
     (the norm output, an argument of the MLP's forward) and the down projection's input (an argument of its
@@ -1270,7 +1292,7 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
     adapter = 0
     if _dequantizes(run.training) and _down_adapted(run):
         adapter = c * tokens * f_t - _down_adapter_saved(run, tokens, f_t)
-    mlp = imax(factors * c * tokens * f_t, c * tokens * f_t + dq + adapter)
+    mlp = imax(factors * c * tokens * f_t, c * tokens * f_t + dq + adapter + _sp_gathered_grad(run))
     if run.profile == "megatron":
         return stream + mlp
     return stream + imax(mlp - stream_in_buffer, attention_backward(run, terms))
@@ -1477,6 +1499,16 @@ def _replace_layers(detail: dict[str, Num], new: dict[str, Num], old: dict[str, 
         detail[key] = detail.get(key, 0) + (new.get(key, 0) - old.get(key, 0)) * count
 
 
+def _sp_gathered_grad(run: Run) -> Num:
+    """torch SP: the row-parallel down projection's output gradient all-gathered to the whole sequence (the backward
+    of RowwiseParallel's Shard(1) output, a DTensor redistribute), c*tok*h, live while the projection makes its
+    input and weight gradients. 0 elsewhere. Measured: docs/validation.md (PP x TP + SP rows)."""
+    if run.profile != "torch" or not run.sp:
+        return 0
+    c, tok, _, _ = _shape(run)
+    return where(run.tp > 1, c * tok * run.model.hidden, 0)
+
+
 def _residual_grad_bytes(run: Run) -> Num:
     """The gradient of the residual stream flowing into a layer's backward: its dtype, sharded like it under SP."""
     c, _, tok_sp, _ = _shape(run)
@@ -1579,7 +1611,7 @@ def _later_weight_grad(run: Run) -> Num:
     hf = first_backward_grad_elems(run, 0)[1]  # the down projection, h x f/t
     f_t = cdiv(m.ffn, run.tp)
     amp = _autocast(run)
-    plain = c * tok * f_t + p * hf
+    plain = c * tok * f_t + p * hf + _sp_gathered_grad(run)
     cast = imax(c * hf + c * tok * f_t, p * hf)
     tr = where(amp == 1, where(run.pp > 1, 0, cast), plain)
     return where(fsdp_sharded(run) == 1, 0, _residual_grad_bytes(run) + tr)
@@ -1615,7 +1647,11 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[N
         waiting = (waiting - c * head) // run.vpp + c * head
     newest = p * where(head > 0, head, down)
     grad_in = _residual_grad_bytes(run)
-    emb = newest if "embeddings" in frozen else imax(grad_in + p * word, newest)
+    # the embedding's output gradient: under torch SP all-gathered to the whole sequence (the backward of its
+    # Shard(1) output), the shard freed before the dense gradient is made
+    c_s = _stream_bytes(run, c)
+    emb_in = where(run.tp > 1, c_s * _shape(run)[1] * m.hidden, grad_in) if run.sp else grad_in
+    emb = newest if "embeddings" in frozen else imax(emb_in + p * word, newest)
     tail = where(first, emb, grad_in + newest)
     out_one = every_stage_terms(run, stage).get("pipeline_output", 0)
     occurs = (run.pp > 1) & (_autocast(run) == 1)
@@ -1626,7 +1662,7 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[N
     plain = first & (fsdp_sharded(run) == 0) & ("embeddings" not in frozen) & (run.training.lora_rank is None)
     # a tied head's gradient waits for it (`_tied_held_grad`): then their sum, then added to `.grad` in place
     tied = _tied_held_grad(run, stage)
-    plain_tail = where(tied > 0, imax(grad_in + 2 * tied, 3 * tied), grad_in + p * word)
+    plain_tail = where(tied > 0, imax(grad_in + 2 * tied, 3 * tied), emb_in + p * word)
     end = where(occurs, others + out_one + sent + waiting + tail,
                 where(plain, others + out_one + sent + plain_tail, _NEVER))
     return end, where(occurs, waiting + tail, where(plain, plain_tail, 0))
@@ -1790,8 +1826,10 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         steady_sent = sent
     if run.profile == "torch" and run.schedule == "gpipe":
         # ScheduleGPipe waits for its backward sends only when the step ends: at the second backward (the later
-        # one with the most micro-batches held) the first one's input gradient is still referenced
-        sent = where(first, 0, s_h)
+        # one with the most micro-batches held) the first one's input gradient is still referenced; and it keeps
+        # the works of its forward sends (`fwd_sends_to_wait`, never cleared) to the step's end, so the first
+        # micro-batch's output, out of the stage's forward cache since its backward, is still referenced too
+        sent = where(first, 0, s_h) + where(last, 0, s_h)
     # torch pipelining under one autocast region (the step): the weight casts' nodes come from the step's first
     # forward, so in a later backward they run after everything else, and each weight's compute-dtype gradient
     # waits for its cast until the stage's backward ends; at the first layer's MLP moment, the down projection's
@@ -1859,7 +1897,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # quantized down projection's matmul just before: its output and dequantized weight, and, when the layer is
     # checkpointed, its input (not saved in the no-grad forward)
     down_out = c * tok_all * m.hidden
-    unsaved = where(plain_layers >= 1, _stream_unsaved(run), 0)
+    unsaved = where(plain_layers >= 1, _stream_unsaved(run), 0) + where(
+        (plain_layers >= 1) | (mode == "selective"), _mlp_forward_extra(run), 0)
     layer_out = imax(down_out, megatron_moe_forward_transient(run)) + where(last, s_h, 0) + unsaved
     if _dequantizes(tr) and tr.base_dtype == "nf4":
         dq_down = dq_fwd + _dequant_cast(run, dq_fwd, down_out)

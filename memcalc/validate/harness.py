@@ -219,9 +219,8 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
         elif run.pp > 1:
             model = split_stage(model, coords["pp"], run.pp, run)
         ddp_model = model
-        # vocab-parallel loss under TP (torchtitan's default, Megatron's cross-entropy); the pipelining schedules
-        # call the loss on plain tensors, so a pipelined TP run gathers the logits instead
-        vocab_parallel_loss = run.tp > 1 and run.pp == 1
+        # vocab-parallel loss under TP (torchtitan's default, Megatron's cross-entropy), pipelined or not
+        vocab_parallel_loss = run.tp > 1
         if run.tp > 1:
             apply_tp(model, mesh["tp"], run.sp, loss_parallel=vocab_parallel_loss)
         if fsdp:
@@ -340,7 +339,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                 tracker.set_phase(pre + "forward-backward")
                 cuda_mark("forward-backward", True)
                 first, last = coords["pp"] == 0, coords["pp"] == run.pp - 1
-                with amp():
+                with amp(), loss_ctx():
                     if first:
                         schedule.step(pp_tokens, return_outputs=False)
                     elif last:

@@ -540,12 +540,14 @@ class GPT(nn.Module):
         self.rotary = m.positions == "rotary"
         self.head_dim = m.mla.qk_rope_dim if m.mla is not None else m.head_dim  # the rotary width
         self.seq_offset = 0  # context parallelism: this rank's tokens start here in the sequence
+        self.seq_shards = 1  # sequence parallelism: a later pipeline stage receives seq / tp tokens
         self.head: nn.Module | None = Head(m, norm_impl, loss_chunks, loss_chunk_size)
         if m.tied_embeddings:
             self.head.out.weight = self.embed.tok.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seq = x.shape[1]  # token ids (first stage) or the received activations: the full sequence either way
+        # token ids (first stage) or the received activations (the full sequence, or its SP shard)
+        seq = x.shape[1] if self.embed is not None else x.shape[1] * self.seq_shards
         if self.embed is not None:
             x = self.embed(x)
         rope = None

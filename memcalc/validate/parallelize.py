@@ -2,8 +2,9 @@
 DDP (zero 0), DDP + ZeroRedundancyOptimizer (zero 1), FSDP2 `fully_shard` per block with
 `reshard_after_forward=False` (zero 2, ZeRO-2-like) or the default (zero 3), DTensor TP (ColwiseParallel /
 RowwiseParallel) with SequenceParallel for SP, FSDP2 x TP on a 2-D mesh, `torch.distributed.pipelining`
-(GPipe / 1F1B), and all-to-all context parallelism (`--cp-comm a2a`: DeepSpeed-Ulysses' exchange, written with
-torch.distributed in memcalc/validate/model.py; torch's own ring `context_parallel` needs CUDA's SDPA kernels).
+(GPipe / 1F1B / interleaved 1F1B; under PP x TP each stage is TP-sharded, with FSDP2 over it when dp > 1), and
+all-to-all context parallelism (`--cp-comm a2a`: DeepSpeed-Ulysses' exchange, written with torch.distributed in
+memcalc/validate/model.py; torch's own ring `context_parallel` needs CUDA's SDPA kernels).
 Rank placement follows `--order tp,cp,pp,dp` (tp innermost): the mesh is (dp x cp, pp, tp), row-major.
 """
 
@@ -83,8 +84,6 @@ def check_supported(run: Run, world: str, device: str) -> None:
     if run.order != ("tp", "cp", "pp", "dp"):
         raise Unsupported("the harness places ranks in the default order tp,cp,pp,dp only")
     if run.pp > 1:
-        if run.tp > 1:
-            raise Unsupported("--pp with --tp is not built by the harness yet")
         if run.dp > 1 and run.zero < 2:
             raise Unsupported("--pp with --dp > 1 needs --zero 2 or 3 (FSDP2 per stage) in the harness")
         if world == "fake":
@@ -159,6 +158,8 @@ def apply_tp(model: GPT, tp_mesh: Any, sp: bool, loss_parallel: bool) -> None:
         top["embed.tok"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
         if sp:
             model.embed.seq_shard = (tp_mesh.get_local_rank(), tp_mesh.size())
+    if sp:
+        model.seq_shards = tp_mesh.size()
     if model.head is not None:
         if sp:
             top["head.norm"] = SequenceParallel()
