@@ -406,6 +406,24 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         L, precision="bf16", gpus=4, pp=2, tp=2, sp=True, grad_accum=4, schedule="gpipe", rank=3))
     add("PP2 GPipe bf16 AMP, first stage: the forward sends keep their outputs", dict(
         L, precision="bf16", gpus=2, pp=2, grad_accum=4, schedule="gpipe", rank=0))
+    # PP x FSDP2: torch pipelining accumulates unsharded gradients over the step and reshards nothing after a
+    # backward (PipelineStage.backward_maybe_with_nosync); m > 2 puts a forward between two backwards
+    add("PP2 x FSDP2 ZeRO-3 fp32, m 4, first stage: the accumulated unsharded gradients", dict(
+        L, precision="fp32", gpus=4, pp=2, zero=3, grad_accum=4, rank=0))
+    add("PP2 x FSDP2 ZeRO-3 bf16, first stage: the fp32 accumulator beside the embedding's bf16 gradient", dict(
+        L, precision="bf16", gpus=4, pp=2, zero=3, grad_accum=2, rank=0))
+    add("PP2 x FSDP2 ZeRO-3 bf16 full recompute, m 4, last stage: the head's gradient waits for the root", dict(
+        L, precision="bf16", gpus=4, pp=2, zero=3, grad_accum=4, recompute="full", rank=1))
+    add("PP2 x FSDP2 ZeRO-2 fp32, m 4, first stage: no all-gather after the first backward", dict(
+        L, precision="fp32", gpus=4, pp=2, zero=2, grad_accum=4, rank=0))
+    add("PP2 GPipe x FSDP2 ZeRO-3 bf16, last stage: every unit still gathered from the previous backward", dict(
+        L, precision="bf16", gpus=4, pp=2, zero=3, grad_accum=4, schedule="gpipe", rank=1))
+    add("PP4 x FSDP2 ZeRO-3 bf16, m 8, first stage: a backward's copy-in", dict(
+        L, precision="bf16", gpus=8, pp=4, zero=3, grad_accum=8, rank=0))
+    add("PP2 x TP2+SP x FSDP2 ZeRO-3 bf16 (3-D), first stage: the replicated embedding gradient accumulated",
+        dict(L, precision="bf16", gpus=8, pp=2, tp=2, sp=True, zero=3, grad_accum=4, rank=0))
+    add("PP2 x TP2+SP x FSDP2 ZeRO-3 fp32 (3-D), last stage", dict(
+        L, precision="fp32", gpus=8, pp=2, tp=2, sp=True, zero=3, grad_accum=4, rank=2))
     return c
 
 

@@ -441,3 +441,32 @@ def test_fsdp2_root_reduce_scatter_precedes_its_sharded_grads():
     assert sm.states.grads - 2_097_280 == 201_216  # the two layers' shards: 2 x 100,608 B
     # DDP and ZeRO-1 keep no such unit
     assert fsdp_root_shard_grad_bytes(build_run(RunOptions(**{**kw, "zero": 1})), 0) == 0
+
+
+def test_pipelined_fsdp_accumulates_unsharded_gradients():
+    """torch pipelining over FSDP2 (PipelineStage.backward_maybe_with_nosync: no reduce-scatter and no reshard after
+    any micro-batch's backward; perform_reduce_grad once per step). Model: 4 layers of h 64, 4 heads, f 176, V 512.
+    One layer: attention 4 x 64 x 64 = 16,384 + SwiGLU 3 x 64 x 176 = 33,792 + 2 RMSNorms 128 = 50,304 elements;
+    stage 0 of PP2: 2 layers + the embedding 512 x 64 = 32,768 -> 133,376 elements.
+    - fp32, dp 2: the accumulated unsharded gradients 4 x 133,376 = 533,504 B; bf16 under MixedPrecisionPolicy
+      accumulates in the reduce dtype (fp32): the same 533,504 B.
+    - PP2 x TP2 x dp 2: a layer is 8,192 + 16,896 + 128 = 25,216 per rank; the embedding's replicated V x h
+      gradient accumulates whole (32,768): 4 x (2 x 25,216 + 32,768) = 332,800 B.
+    - ZeRO-3: each finished unit stays gathered (fp32, padded flat 50,304 elements): release -201,216 B.
+    - without pipelining: nothing accumulates (0)."""
+    from conftest import run_of
+
+    base = dict(layers=4, hidden=64, heads=4, ffn=176, vocab=512, seq=64, gpus=4, pp=2, zero=3, grad_accum=4)
+    assert B.pipelined_fsdp_grad_bytes(run_of(**base, precision="fp32"), 0) == 4 * 133_376 == 533_504
+    assert B.pipelined_fsdp_grad_bytes(run_of(**base, precision="bf16"), 0) == 533_504
+    three_d = run_of(**{**base, "gpus": 8}, tp=2, sp=True, precision="bf16")
+    assert B.pipelined_fsdp_grad_bytes(three_d, 0) == 4 * (2 * 25_216 + 32_768) == 332_800
+    assert B.fsdp_backward_release_bytes(run_of(**base, precision="fp32"), 0) == -4 * 50_304
+    flat = run_of(**{**base, "pp": 1, "gpus": 2}, precision="fp32")
+    assert B.pipelined_fsdp_grad_bytes(flat, 0) == 0
+    # no micro-batch's backward reduce-scatters: the per-unit gradient buffers are gone, the step's reduction stays
+    bufs = stage_buffers(run_of(**base, precision="fp32"), 0)
+    for name in ("fsdp_head_grads", "fsdp_unsharded_grads", "fsdp_layer_unsharded_grads", "fsdp_layer_reduce_scatter",
+                 "fsdp_reduce_scatter_in_flight"):
+        assert bufs[name].bytes == 0, name
+    assert bufs["fsdp_root_reduce_scatter"].bytes > 0

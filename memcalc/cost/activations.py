@@ -29,6 +29,7 @@ from memcalc.cost.params import (
     first_dense_layers,
     fsdp_sharded,
     head_params,
+    layer_params,
     mlp_width,
     padded_vocab,
     replicated_embedding_grad,
@@ -1614,10 +1615,17 @@ def _later_weight_grad(run: Run) -> Num:
     plain = c * tok * f_t + p * hf + _sp_gathered_grad(run)
     cast = imax(c * hf + c * tok * f_t, p * hf)
     tr = where(amp == 1, where(run.pp > 1, 0, cast), plain)
-    return where(fsdp_sharded(run) == 1, 0, _residual_grad_bytes(run) + tr)
+    # FSDP2 reduces each unit's gradients at its post-backward (nothing beside them then), except under torch
+    # pipelining, whose backwards accumulate (`buffers.pipelined_fsdp_grad_bytes`): the new unsharded gradient, in
+    # the unsharded parameter's dtype (the compute dtype), waits for the unit's post-backward beside the input
+    # gradient
+    piped = c * tok * f_t + c * hf + _sp_gathered_grad(run)
+    return _residual_grad_bytes(run) + where(fsdp_sharded(run) == 1, where(run.pp > 1, piped, 0 * tr), tr) - where(
+        (fsdp_sharded(run) == 1) & (run.pp == 1), _residual_grad_bytes(run), 0)
 
 
-def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[Num, Num]:
+def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num, first_backward: bool = False
+                        ) -> tuple[Num, Num]:
     """(activations at the end of a later micro-batch's backward under torch pipelining with autocast, or _NEVER;
     the weight gradients' part of them, 0 where the moment does not occur). The autocast region is the whole
     `schedule.step()`, so the step's first forward made every weight's cast node; in a later backward those nodes
@@ -1663,9 +1671,22 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num) -> tuple[N
     # a tied head's gradient waits for it (`_tied_held_grad`): then their sum, then added to `.grad` in place
     tied = _tied_held_grad(run, stage)
     plain_tail = where(tied > 0, imax(grad_in + 2 * tied, 3 * tied), emb_in + p * word)
+    # torch pipelining over FSDP2 (no autocast: MixedPrecisionPolicy): the stage's first unit ends the backward.
+    # Under the policy its post-backward moves the unit's compute-dtype gradients into the reduce-dtype
+    # accumulator (the accumulator counted as gradients, `buffers.pipelined_fsdp_grad_bytes`): the copy is made
+    # beside them, c x the unit's gradient elements (the embedding's on the first stage, a layer's elsewhere).
+    # Without the policy `.grad` accumulates in place: the first stage's new dense embedding gradient beside it.
+    # The other micro-batches in flight are held. Measured: docs/validation.md (PP x FSDP2 rows).
+    piped = (run.pp > 1) & (fsdp_sharded(run) == 1) & ("embeddings" not in frozen) & (run.training.lora_rank is None)
+    if run.recipe.compute_copy:
+        dense_l, expert_l = layer_params(m, run.tp, run.ep)
+        piped_tail = c * where(first, word, dense_l + expert_l)
+    else:  # (the first backward's dense gradient becomes `.grad` itself)
+        piped_tail = where(first, p * word, 0) if not first_backward else 0
+    piped_end = others + out_one + sent + piped_tail
     end = where(occurs, others + out_one + sent + waiting + tail,
-                where(plain, others + out_one + sent + plain_tail, _NEVER))
-    return end, where(occurs, waiting + tail, where(plain, plain_tail, 0))
+                where(plain, others + out_one + sent + plain_tail, where(piped, piped_end, _NEVER)))
+    return end, where(occurs, waiting + tail, where(plain, plain_tail, where(piped, piped_tail, 0)))
 
 
 def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
@@ -1836,6 +1857,13 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # (buffers.py `_amp_casts_step_cache`; measured, row 43)
     late_dw = where(run.pp > 1, _autocast(run) * DTYPE_BYTES[run.recipe.compute_dtype]
                     * first_backward_grad_elems(run, stage)[1], 0)
+    # torch pipelining over FSDP2 with MixedPrecisionPolicy: the last stage's root unit (final norm, LM head) runs
+    # its post-backward only when the stage's backward ends, so a later micro-batch's compute-dtype head gradient
+    # waits beside the accumulator through every layer's backward (measured: the PP x FSDP2 rows)
+    if run.profile == "torch" and run.zero >= 2 and run.recipe.compute_copy and "head" not in tr.freeze \
+            and tr.lora_rank is None:
+        head_wait = DTYPE_BYTES[run.recipe.compute_dtype] * first_backward_grad_elems(run, stage)[0]
+        late_dw = late_dw + where((run.pp > 1) & (fsdp_sharded(run) == 1) & last, head_wait, 0)
     # one backward frees one unit: a micro-batch (its layers and extras), or one model chunk when interleaved
     # (offloaded, the unit's layers are not resident: the window is counted per moment below)
     unit_gpu = 0 if off else unit_bytes
@@ -1843,6 +1871,12 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     later_units = imin(units, total_units - 1)  # held when a later backward starts (steady state or drain)
     held_later = held - (units - later_units) * freed
     later_end, cast_grads = _later_backward_end(run, stage, held_later - freed, sent) if not off else (_NEVER, 0)
+    if run.profile == "torch" and run.zero >= 2 and not off:
+        # torch pipelining over FSDP2: the first backward's end holds the other micro-batches in flight too, with the
+        # same accumulated gradients and unsharded units as a later one's (`_later_backward_end`)
+        first_end, _ = _later_backward_end(run, stage, held - freed, 0, first_backward=True)
+        piped = (run.pp > 1) & (fsdp_sharded(run) == 1)
+        later_end = where(piped, imax(later_end, first_end), later_end)
 
     loss_fwd, loss_bwd = loss_transients(run)
     # torch pipelining holds the last stage's logits in `fwd_cache` (every_stage_terms `pipeline_output`)
@@ -1928,8 +1962,13 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # a later micro-batch's: also the down projection's new weight gradient beside `.grad` (the pipelining receive
     # buffer holds the incoming gradient on all but the last stage)
     later_dw = _later_weight_grad(run)
+    # (torch pipelining over FSDP2 with MixedPrecisionPolicy: that compute-dtype weight gradient stays to the unit's
+    # post-backward, which adds it to the reduce-dtype accumulator, so past the MLP's moment; without the policy
+    # AccumulateGrad adds it to `.grad` at once)
+    piped_dw = where((run.pp > 1) & (fsdp_sharded(run) == 1), c * first_backward_grad_elems(run, 0)[1], 0) if (
+        run.profile == "torch" and m.moe is None and tr.lora_rank is None and run.recipe.compute_copy) else 0
     later_layer_bwd = layer_bwd if off else base_bwd + imax(
-        at_first_layer, _layer_moment(mode, where(later_dw > 0, later_dw - recv_stream, 0), remat))
+        at_first_layer + piped_dw, _layer_moment(mode, where(later_dw > 0, later_dw - recv_stream, 0), remat))
     attn = attention_backward(run, plain)
     modelled = not off and not (isinstance(attn, int) and attn == _NEVER)
     attn_bwd = base_bwd + _layer_moment(mode, _residual_grad_bytes(run) + attn, remat) if modelled else _NEVER

@@ -400,11 +400,16 @@ def fsdp_backward_release_bytes(run: Run, stage: Num) -> Num:
     """Bytes freed by each finished layer of backward under FSDP2 reshard_after_forward=False (ZeRO-2): the unit
     stays unsharded from its forward to its post-backward, which reshards it (`FSDPParamGroup.post_backward`:
     `reshard()` before `foreach_reduce`), so `fsdp_unsharded_params` shrinks by one layer's padded unsharded
-    storage per layer done (measured: docs/validation.md row 69). 0 elsewhere (ZeRO-3 reshards after forward)."""
-    if run.profile != "torch" or run.zero != 2:
+    storage per layer done (measured: docs/validation.md row 69). 0 elsewhere (ZeRO-3 reshards after forward), but
+    under torch pipelining (below)."""
+    if run.profile != "torch" or run.zero < 2:
         return 0
     layer_flat, _ = _fsdp_flat_units(run, stage)
-    return where(run.shard_degree > 1, DTYPE_BYTES[run.recipe.compute_dtype] * layer_flat, 0)
+    unit = DTYPE_BYTES[run.recipe.compute_dtype] * layer_flat
+    # torch pipelining runs its backwards with `set_reshard_after_backward(False)`: a finished unit stays unsharded,
+    # so under ZeRO-3 (gathered again for backward) each one adds a layer, under ZeRO-2 none is freed
+    released = where(run.pp > 1, -unit if run.zero >= 3 else 0 * unit, unit if run.zero == 2 else 0 * unit)
+    return where(run.shard_degree > 1, released, 0)
 
 
 def side_stream_pools(run: Run, stage: Num, grads_bytes: Num) -> dict[str, Num]:
@@ -441,6 +446,24 @@ def side_stream_pools(run: Run, stage: Num, grads_bytes: Num) -> dict[str, Num]:
         "fsdp_all_gather_stream": where(sharded, cb * gather, 0),
         "fsdp_reduce_scatter_stream": where(sharded, grads_bytes + where(accumulate, rb * cdiv(first, d), 0), 0),
     }
+
+
+def pipelined_fsdp_grad_bytes(run: Run, stage: Num) -> Num:
+    """torch pipelining over FSDP2 (pp > 1, a shard group of more than one rank): the stage's unsharded gradients,
+    accumulated over the step's micro-batches. `PipelineStage.backward_maybe_with_nosync` runs every micro-batch's
+    backward with `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)`, and
+    `perform_reduce_grad` reduce-scatters once, after the last one (torch/distributed/pipelining/stage.py): from
+    the first backward to the end of the step's backwards each parameter's whole gradient is live. Under
+    MixedPrecisionPolicy each unit's post-backward moves its compute-dtype gradients into an accumulator of the
+    reduce dtype (`FSDPParam.to_accumulated_grad_if_needed` / `accumulate_unsharded_grad_if_needed`); without it
+    `.grad` accumulates in place: `g * trainable elements of the stage`, g the reduce (gradient) dtype. Under TP
+    the first stage's word embedding accumulates its replicated V x h gradient (no post-backward redistributes it
+    to the vocab shard before the step's end: `params.replicated_embedding_grad`). 0 elsewhere."""
+    if run.profile != "torch" or run.zero < 2:
+        return 0
+    on = (run.pp > 1) & (fsdp_sharded(run) == 1)
+    elems = _trainable_elems(run, stage) + replicated_embedding_grad(run, stage, under_fsdp=True)[0]
+    return where(on, DTYPE_BYTES[run.recipe.grad_dtype] * elems, 0)
 
 
 def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
@@ -504,6 +527,8 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     out["fsdp_root_unsharded_at_root_backward"] = Buffer(
         where(sharded, cb * root_flat, 0), frozenset({"backward_root"}),
         "FSDP2 root unit's unsharded params at its backward (every layer resharded)")
+    steady = (run.grad_accum > imin(run.grad_accum, run.pp - stage)) if run.schedule != "gpipe" else False
+    piped_steady = sharded & (run.pp > 1) & steady
     if run.zero == 2:
         # reshard_after_forward=False: every unit stays unsharded from its forward to its post-backward
         # ... but every unit's post-backward reshards it, so a forward gathers each unit again: at the first
@@ -517,8 +542,12 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         # the last layer's copy-out: the previous unit's all-gather output is freed only by it (as under ZeRO-3,
         # `fsdp_forward_working_set`), beside the last unit's own (`fsdp_forward_gather`). Measured:
         # docs/validation.md row 142.
+        # Under torch pipelining no backward reshards (`set_reshard_after_backward(False)`), so once the stage has
+        # run a backward its forwards gather nothing; those forwards (1F1B's steady state) hold the accumulated
+        # gradients, more than a unit's all-gather output, so they bound the forward phase: no gathers counted.
         out["fsdp_forward_prev_gather"] = _gathered(
-            layer_out, {"forward_layer"}, "FSDP2 previous unit's all-gather output, freed by the last unit's copy-out")
+            where(piped_steady, 0, layer_out), {"forward_layer"},
+            "FSDP2 previous unit's all-gather output, freed by the last unit's copy-out")
     else:
         # ZeRO-3: the root is gathered first and kept (reshard_after_forward=None on the root); each layer is
         # gathered for its forward and again for its backward, resharded after each
@@ -552,44 +581,48 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         # forward, from the last unit's copy-out to the end of its forward: its flat all-gather output and its
         # unsharded parameters (padded storage); at the copy-out also the previous unit's all-gather output
         # (below, freed only by this copy-out); the previous unit itself was resharded after its forward
-        out["fsdp_forward_working_set"] = Buffer(2 * layer_out,
+        # (torch pipelining's steady state: the unit is still unsharded from its backward, no all-gather output)
+        out["fsdp_forward_working_set"] = Buffer(where(piped_steady, layer_out, 2 * layer_out),
                                                  frozenset({"forward_layer", "forward_layer_end",
                                                             "forward_first_layer"}),
                                                  "FSDP2 last unit's all-gather output and unsharded params",
-                                                 side_stream_bytes=layer_out)
+                                                 side_stream_bytes=where(piped_steady, 0, layer_out))
     # the first layer's copy-out: the root's all-gather output is still live (freed by the next copy-out),
     # beside the root's unsharded parameters and the first layer's working set (timeline: a forward moment
     # with only the embedding's output; measured, docs/validation.md rows 135 and 139)
     out["fsdp_root_gather_at_first_layer"] = _gathered(
-        where(sharded, cb * root_flat, 0), {"forward_first_layer"},
+        where(piped_steady, 0, where(sharded, cb * root_flat, 0)), {"forward_first_layer"},
         "FSDP2 root unit's all-gather output, freed by the first layer's copy-out")
     gather_at = {"forward_head", "forward_layer"} | ({"forward_layer_end"} if run.zero == 2 else set())
-    out["fsdp_forward_gather"] = _gathered(layer_out, gather_at,
+    out["fsdp_forward_gather"] = _gathered(where(piped_steady, 0, layer_out), gather_at,
                                            "FSDP2 all-gather output of the last unit, freed after the forward")
     # the first unsharded gradients of backward: the LM head's and final norm's (the root reduce-scatters only
     # at its post-backward, after the embedding: they stay unsharded all through backward) and the first
     # layer's down projection (the first weight gradient of a layer's backward)
+    # (torch pipelining reduces once per step, after the last backward: its unsharded gradients accumulate and are
+    # counted as the timeline's gradients, `pipelined_fsdp_grad_bytes`, and no reduce-scatter runs in between)
+    per_unit = sharded & (run.pp == 1)
     head_g, down_g = first_backward_grad_elems(run, stage)
     out["fsdp_head_grads"] = Buffer(
-        where(sharded, muldiv(cb * head_g, share_num, share_den), 0),
+        where(per_unit, muldiv(cb * head_g, share_num, share_den), 0),
         frozenset({"backward_layer", "backward_post", "backward_root", "backward_copy_out", "backward_layer_end"}),
         "unsharded grads of the LM head and final norm (reduced with the root, at the end of backward)")
     out["fsdp_unsharded_grads"] = Buffer(
-        where(sharded, muldiv(cb * down_g, share_num, share_den), 0), frozenset({"backward_layer"}),
+        where(per_unit, muldiv(cb * down_g, share_num, share_den), 0), frozenset({"backward_layer"}),
         "unsharded grad of the down projection, the first weight gradient of a layer's backward")
     # the end of a layer's backward: all its unsharded grads, before its post-backward (weight-heavy layers: short
     # sequences, wide MLPs). Measured: docs/validation.md row 141.
     out["fsdp_layer_unsharded_grads"] = Buffer(
-        where(sharded, muldiv(cb * layer, share_num, share_den), 0), frozenset({"backward_layer_end"}),
+        where(per_unit, muldiv(cb * layer, share_num, share_den), 0), frozenset({"backward_layer_end"}),
         "a layer's unsharded grads at the end of its backward, before its post-backward")
     # the layer's post-backward: all its unsharded grads, copied into the reduce-scatter input (reduce dtype)
     out["fsdp_layer_reduce_scatter"] = Buffer(
-        where(sharded, muldiv(cb * layer + rb * layer_flat, share_num, share_den), 0), frozenset({"backward_post"}),
+        where(per_unit, muldiv(cb * layer + rb * layer_flat, share_num, share_den), 0), frozenset({"backward_post"}),
         "a layer's unsharded grads and their reduce-scatter input (its post-backward)")
     # from the second unit on, the previous unit's reduce-scatter input stays in flight until the next unit's
     # post-backward (comm_ctx.reduce_scatter_states, reduce_scatter_max_input_buffers = 1, _fsdp_param_group.py)
     out["fsdp_reduce_scatter_in_flight"] = Buffer(
-        where(sharded, muldiv(rb * layer_flat, share_num, share_den), 0), frozenset({"backward_layer_next",
+        where(per_unit, muldiv(rb * layer_flat, share_num, share_den), 0), frozenset({"backward_layer_next",
                                                                                       "backward_root",
                                                                                       "backward_copy_out"}),
         "previous unit's reduce-scatter input, in flight during the next unit's backward and the root's")
@@ -601,8 +634,12 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     # (fsdp_root_shard_grad_bytes) or, in a later micro-batch, is added to it. Measured: docs/validation.md row 138.
     last = _root_last_elems(run, stage)
     rs_out = rb * cdiv(root_flat, imax(d, 1)) + cb * last
+    # (pipelined: `perform_reduce_grad` reduces each unit in turn after the last backward, every unsharded gradient
+    # still live beside the first one's reduce-scatter input)
+    piped_rs = rb * imax(root_flat, layer_flat) + rb * cdiv(imax(root_flat, layer_flat), imax(d, 1))
     out["fsdp_root_reduce_scatter"] = Buffer(
-        where(sharded, muldiv(rb * root_flat + imax(cb * root, rs_out), share_num, share_den), 0),
+        where(sharded, muldiv(where(per_unit, rb * root_flat + imax(cb * root, rs_out), piped_rs), share_num,
+                              share_den), 0),
         frozenset({"backward_end"}),
         "root unit's reduce-scatter input, beside its unsharded grads or its output and last grad (end of backward)")
     if r.compute_copy:

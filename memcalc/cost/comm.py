@@ -589,8 +589,9 @@ def _sp_norm_grads_torch(run: Run, stage: Num, seg: list[tuple[Num, Num]]) -> _T
     in the dtype the optimizer sees (the fp32 master copy's grad when there is one). Under FSDP2
     (`FSDPParam._get_grad_inner_tensor`, torch/distributed/fsdp/_fully_shard/_fsdp_param.py) the unsharded grad is
     redistributed to the param's TP placement once per micro-batch before the reduce-scatter, in FSDP2's param
-    dtype. Tensors: 2 norms per trainable layer (1 where a parallel block shares it, `params.layer_norms`) + the
-    final norm on the last stage, weight (+ bias for LayerNorm)."""
+    dtype; once per step under torch pipelining, in the reduce dtype. Tensors: 2 norms per trainable layer (1
+    where a parallel block shares it, `params.layer_norms`) + the final norm on the last stage, weight (+ bias
+    for LayerNorm)."""
     m, t = run.model, run.training
     r = run.recipe
     ga = run.grad_accum
@@ -607,8 +608,12 @@ def _sp_norm_grads_torch(run: Run, stage: Num, seg: list[tuple[Num, Num]]) -> _T
     fsdp = _fsdp_on(run)
     opt_dtype = "fp32" if r.master_weights else r.grad_dtype
     fsdp_dtype = r.compute_dtype if r.compute_copy else r.param_dtype
-    b = where(fsdp, DTYPE_BYTES[fsdp_dtype], DTYPE_BYTES[opt_dtype]) * m.hidden
-    calls = tensors * where(fsdp, ga, _OPT_GRAD_READS[t.optimizer] + 0 * ga)
+    # torch pipelining over FSDP2 accumulates the unsharded grads and reduces once per step (`perform_reduce_grad`):
+    # one redistribution per tensor, of the accumulator (the reduce dtype under MixedPrecisionPolicy)
+    piped = fsdp & (run.pp > 1)
+    fsdp_b = where(piped, DTYPE_BYTES[r.grad_dtype], DTYPE_BYTES[fsdp_dtype])
+    b = where(fsdp, fsdp_b, DTYPE_BYTES[opt_dtype]) * m.hidden
+    calls = tensors * where(fsdp, where(piped, 1, ga), _OPT_GRAD_READS[t.optimizer] + 0 * ga)
     return _term(run, "all-reduce", "tp", _label(fsdp, fsdp_dtype, opt_dtype), run.tp, b, calls, seg,
                  note="norm grads (SP): Partial grads of the replicated norm weights, all-reduced by DTensor (per optimizer "
                       "read of the grad; under FSDP2 once per micro-batch)")

@@ -36,6 +36,7 @@ from memcalc.cost.buffers import (
     amp_layer_casts_freed,
     fsdp_backward_release_bytes,
     fsdp_root_shard_grad_bytes,
+    pipelined_fsdp_grad_bytes,
     side_stream_pools,
     stage_buffers,
 )
@@ -128,7 +129,11 @@ def _first_grad_bytes(run: Run) -> Num:
     if t.freeze:
         return 0
     fsdp = 1 if (run.profile == "torch" and run.zero >= 2) else 0
-    return DTYPE_BYTES[run.recipe.grad_dtype] * where(run.shard_degree > 1, 1 - fsdp, 1)
+    # (torch pipelining over FSDP2 accumulates them unsharded, in the compute dtype, to the end of the step:
+    # counted as gradients, `buffers.pipelined_fsdp_grad_bytes`)
+    piped = DTYPE_BYTES[run.recipe.compute_dtype] * where(run.pp > 1, fsdp, 0)
+    return where(run.shard_degree > 1, DTYPE_BYTES[run.recipe.grad_dtype] * (1 - fsdp) + piped,
+                 DTYPE_BYTES[run.recipe.grad_dtype])
 
 
 def _first_grads(run: Run, stage: Num) -> tuple[Num, Num]:
@@ -196,19 +201,26 @@ def _peak(phases: tuple[Phase, ...]) -> Num:
     return peak
 
 
-def _layer_shares(run: Run, stage: Num) -> tuple[Num, Num, Num, Num]:
+def _layer_shares(run: Run, stage: Num) -> tuple[Num, Num, Num, Num, Num, Num]:
     """What each finished layer of backward changes: (elements of one layer, of the stage), i.e. one layer's share
     of the stage's gradients, and the buffer bytes it frees (`buffers.fsdp_backward_release_bytes`, the autocast
     copies of `buffers.amp_layer_casts_freed`); and FSDP2's root sharded gradient bytes, not yet made at the
-    root's reduce-scatter (`buffers.fsdp_root_shard_grad_bytes`)."""
+    root's reduce-scatter (`buffers.fsdp_root_shard_grad_bytes`); and the unsharded gradients torch pipelining
+    over FSDP2 accumulates from the first backward to the end of the step's backwards
+    (`buffers.pipelined_fsdp_grad_bytes`); and there, under ZeRO-3, the copy-in that starts a backward on every stage
+    but the last (whose LM head, in the root unit, runs first: its layers' moments bound it), 0 elsewhere."""
     dense_l, expert_l = layer_params(run.model, run.tp, run.ep)
     dense_s, expert_s = stage_params(run, stage)
     freed = fsdp_backward_release_bytes(run, stage) + amp_layer_casts_freed(run)
-    return (dense_l + expert_l, imax(dense_s + expert_s, 1), freed, fsdp_root_shard_grad_bytes(run, stage))
+    acc = pipelined_fsdp_grad_bytes(run, stage)
+    unit = -fsdp_backward_release_bytes(run, stage)  # a gathered layer, where `acc` is not 0
+    regather = where((acc > 0) & (stage < run.pp - 1) & (run.zero >= 3), 2 * unit, 0)
+    return (dense_l + expert_l, imax(dense_s + expert_s, 1), freed, fsdp_root_shard_grad_bytes(run, stage), acc,
+            regather)
 
 
 def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
-            shares: tuple[Num, Num, Num, Num]) -> tuple[Phase, ...]:
+            shares: tuple[Num, Num, Num, Num, Num, Num]) -> tuple[Phase, ...]:
     """The phases of the step: each the highest of its moments (`_moments`)."""
     fwd, bwd, opt, _ = _moments(run, s, act, at, grads, first_grads, shares)
     return (
@@ -219,7 +231,7 @@ def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, 
 
 
 def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
-                   shares: tuple[Num, Num, Num, Num], stranded: Num) -> tuple[Num, Num]:
+                   shares: tuple[Num, Num, Num, Num, Num, Num], stranded: Num) -> tuple[Num, Num]:
     """(highest total over every moment of the step, the same with `stranded` bytes added at the loss gradient:
     the first backward's, and a later micro-batch's where there is one)."""
     fwd, bwd, opt, losses = _moments(run, s, act, at, grads, first_grads, shares)
@@ -231,7 +243,8 @@ def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads
 
 
 def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
-             shares: tuple[Num, Num, Num, Num]) -> tuple[list[dict[str, Num]], list[dict[str, Num]], dict[str, Num],
+             shares: tuple[Num, Num, Num, Num, Num, Num]
+             ) -> tuple[list[dict[str, Num]], list[dict[str, Num]], dict[str, Num],
                                                tuple[dict[str, Num], dict[str, Num]]]:
     """The candidate moments of forward and backward and the optimizer step, from the states, the activations, the
     buffer bytes live per moment (`at`) and the gradient bytes counted (all of them for the allocated timeline;
@@ -260,7 +273,11 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     forwards = run.grad_accum * (run.vpp if run.schedule == "interleaved" else 1)
     # (`--peak-step first`: the first micro-batch, whose forward follows no backward; the step's later micro-batches
     # are taken as no longer than it, so their moments are not candidates)
-    later_fwd_g = fwd_grads if first_step else where(forwards > act.in_flight, grads, fwd_grads)
+    # torch pipelining over FSDP2 (`_layer_shares`): the whole unsharded gradients accumulated so far instead;
+    # the sharded ones are made only after the step's last backward
+    acc = shares[4]
+    piped = acc > 0
+    later_fwd_g = fwd_grads if first_step else where(forwards > act.in_flight, where(piped, acc, grads), fwd_grads)
     # forward: the loss (every saved activation + the logits and their fp32 upcast) or, just before it, the
     # LM head matmul (FSDP2 still holds the last unit's all-gather output there)
     # Every such forward holds as many activations as the last one before the first backward, so each moment is
@@ -291,7 +308,8 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         first_g, layer_g, attn_g, later_g = grads, grads, grads, grads
         later_act = act.backward_first_bytes
     else:
-        first_g, layer_g, attn_g, later_g = zero, imin(first_grads[0], grads), imin(first_grads[1], grads), grads
+        later_g = where(piped, acc, grads)
+        first_g, layer_g, attn_g = zero, imin(first_grads[0], later_g), imin(first_grads[1], later_g)
         later_act = act.backward_later_bytes
     # later layers of the first backward: each frees one layer's activations (a) and adds one layer's gradients
     # (g; FSDP2: the sharded ones, plus the previous unit's reduce-scatter input held in flight,
@@ -302,8 +320,8 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # unit in every layer's backward but the stage's last layer's ("backward_prefetch").
     a, n_l = act.layer_freed_bytes, act.layers
     # rel: buffer bytes a finished layer frees (FSDP2 ZeRO-2's reshard, or the layer's autocast copies)
-    layer_elems, stage_elems, rel, root_shard = shares
-    g = 0 * grads if s.grads_persistent else muldiv(grads, layer_elems, stage_elems)
+    layer_elems, stage_elems, rel, root_shard, _, copy_in = shares
+    g = 0 * grads if s.grads_persistent else muldiv(later_g, layer_elems, stage_elems)
     more = n_l > 1
     k_last = imax(n_l - 1, 1)
     k_pen = imax(n_l - 2, 1)  # the last layer with a prefetch
@@ -316,7 +334,17 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     def if_later(m: dict[str, Num]) -> dict[str, Num]:
         return {k: where(later, v, 0 * v) for k, v in m.items()}
 
-    later_loss = if_later(moment(later_g, later_act, buf("backward")))
+    # torch pipelining over FSDP2 leaves every unit unsharded after a backward (`rel` is minus a unit under ZeRO-3):
+    # GPipe's backwards follow one another, so a later one finds them all gathered (1F1B's forward in between
+    # reshards them; its cool-down, with fewer micro-batches held, is not a candidate)
+    all_units = where(piped & (run.schedule == "gpipe"), -n_l * rel, 0)
+    later_loss = if_later(moment(later_g, later_act, buf("backward") + all_units))
+    # ... and under ZeRO-3 every unit was resharded after its forward, the stage's last one too: a backward starts
+    # with that unit's copy-out, its all-gather output beside its unsharded parameters (GPipe's later ones excepted)
+    regather = copy_in > 0
+    first_copy_in = moment(first_g, where(regather, act.backward_first_bytes, _NEVER), buf("backward") + copy_in)
+    later_copy_in = if_later(moment(later_g, where(regather & (all_units == 0), later_act, _NEVER),
+                                    buf("backward") + copy_in))
 
     # FSDP2's moments beside a layer's post-backward hold its activations (`backward_post_bytes`, less a layer's
     # per later layer): the end of the layer's backward just before it, and (ZeRO-3, which gathers each layer
@@ -365,22 +393,28 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
                  + where(k < n_l - 1, pre, 0))
           for k in (_switch_layers(act) if offloaded else ())],
         later_loss,
-        if_later(moment(later_g, act.backward_later_layer_bytes, buf("backward_layer"))),
+        first_copy_in,
+        later_copy_in,
+        if_later(moment(later_g, act.backward_later_layer_bytes, buf("backward_layer") + where(
+            all_units > 0, all_units + rel, where(more, pre, 0)))),
         *[if_later(copy_out(k, later_g, act.backward_later_post_bytes)) for k in (1, k_last)],
         *[layer_end(k, layer_g + k * g, act.backward_post_bytes) for k in (0, 1, k_pen, k_last)],
         *[if_later(layer_end(k, later_g, act.backward_later_post_bytes)) for k in (0, 1, k_pen, k_last)],
         # its LM head's backward: the head's new weight gradient beside the accumulated ones
         if_later(moment(later_g, act.backward_later_head_bytes, buf("backward"))),
-        # its end under torch pipelining's step-wide autocast (the weights' compute-dtype gradients waiting)
-        if_later(moment(later_g, act.backward_later_end_bytes, buf("backward_end"))),
+        # its end under torch pipelining's step-wide autocast (the weights' compute-dtype gradients waiting); over
+        # FSDP2 the stage's first unit's post-backward, every unit left unsharded (no reshard after a pipelined
+        # backward: `rel` is minus a unit), no reduce-scatter before the step's last backward
+        if_later(moment(later_g, act.backward_later_end_bytes,
+                        where(piped, buf("backward_layer") - (n_l - 1) * rel, buf("backward_end")))),
         # FSDP2: the root's reduce-scatter, whose output makes the root's sharded gradients (none yet in the step's
         # first micro-batch)
-        moment(where(later, grads, grads - root_shard), act.loss_kept_bytes + act.graph_held_bytes
+        moment(where(later, where(piped, acc, grads), grads - root_shard), act.loss_kept_bytes + act.graph_held_bytes
                + act.backward_end_bytes, buf("backward_end")),
         # FSDP2: the embedding's backward, before the root's post-backward (its gradient, and with a tied head the
         # sum with the held one, beside the root's unsharded parameters)
-        moment(where(later, grads, grads - root_shard), act.loss_kept_bytes + act.graph_held_bytes
-               + act.backward_root_bytes, buf("backward_root")),
+        moment(where(later, where(piped, acc, grads), grads - root_shard), act.loss_kept_bytes
+               + act.graph_held_bytes + act.backward_root_bytes, buf("backward_root")),
     ]
     return fwd, bwd, moment(grads, act.loss_kept_bytes + prev, buf("optimizer"), opt), (first_loss, later_loss)
 
