@@ -240,6 +240,10 @@ def test_unsupported_is_one_line_exit_2():
     # a loss the harness does not build is refused, not run as another one
     code, out, err = cli("validate", *_flags(TINY), "--device", "cpu", "--loss", "fused")
     assert code == 2 and "--loss fused is TransformerEngine's" in err and len(err.strip().splitlines()) == 1
+    # torch's Schedule1F1B refuses fewer micro-batches than stages: said before any rank starts
+    code, out, err = cli("validate", *_flags(TINY), "--device", "cpu", "--gpus", "2", "--pp", "2")
+    assert code == 2 and "needs at least as many micro-batches as stages" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_cli_json_and_exit_status():

@@ -84,6 +84,10 @@ def check_supported(run: Run, world: str, device: str) -> None:
     if run.order != ("tp", "cp", "pp", "dp"):
         raise Unsupported("the harness places ranks in the default order tp,cp,pp,dp only")
     if run.pp > 1:
+        if run.schedule == "1f1b" and run.grad_accum < run.pp:
+            raise Unsupported(f"--grad-accum {run.grad_accum} with --pp {run.pp}: torch's Schedule1F1B needs at least "
+                              f"as many micro-batches as stages; valid here: --grad-accum {run.pp} or more, or "
+                              "--schedule gpipe")
         if run.dp > 1 and run.zero < 2:
             raise Unsupported("--pp with --dp > 1 needs --zero 2 or 3 (FSDP2 per stage) in the harness")
         if world == "fake":
