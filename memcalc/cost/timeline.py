@@ -319,7 +319,8 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # the ends of backward, not per layer; FSDP2 reduces the root's only at the end). FSDP2 prefetches the next
     # unit in every layer's backward but the stage's last layer's ("backward_prefetch").
     a, n_l = act.layer_freed_bytes, act.layers
-    # rel: buffer bytes a finished layer frees (FSDP2 ZeRO-2's reshard, or the layer's autocast copies)
+    # rel: buffer bytes a finished layer frees (FSDP2 ZeRO-2's reshard, or the layer's autocast copies; minus a
+    # layer under torch pipelining's ZeRO-3, whose finished units stay gathered)
     layer_elems, stage_elems, rel, root_shard, _, copy_in = shares
     g = 0 * grads if s.grads_persistent else muldiv(later_g, layer_elems, stage_elems)
     more = n_l > 1
