@@ -32,6 +32,7 @@ from memcalc.cost.params import (
     layer_params,
     mlp_width,
     padded_vocab,
+    pipelined_fsdp,
     replicated_embedding_grad,
     scaled,
     stage_dense_layers,
@@ -1608,20 +1609,19 @@ def _later_weight_grad(run: Run) -> Num:
     if run.profile != "torch" or m.moe is not None or t.lora_rank is not None or _dequantizes(t):
         return 0
     c, tok, _, _ = _shape(run)
-    p = DTYPE_BYTES[run.recipe.param_dtype]
+    # the new gradient's dtype: the parameter's, or under FSDP2 the unsharded parameter's (the compute dtype)
+    fsdp = fsdp_sharded(run) == 1
+    g = where(fsdp, c, DTYPE_BYTES[run.recipe.param_dtype])
     hf = first_backward_grad_elems(run, 0)[1]  # the down projection, h x f/t
     f_t = cdiv(m.ffn, run.tp)
     amp = _autocast(run)
-    plain = c * tok * f_t + p * hf + _sp_gathered_grad(run)
-    cast = imax(c * hf + c * tok * f_t, p * hf)
+    plain = c * tok * f_t + g * hf + _sp_gathered_grad(run)
+    cast = imax(c * hf + c * tok * f_t, g * hf)
     tr = where(amp == 1, where(run.pp > 1, 0, cast), plain)
     # FSDP2 reduces each unit's gradients at its post-backward (nothing beside them then), except under torch
-    # pipelining, whose backwards accumulate (`buffers.pipelined_fsdp_grad_bytes`): the new unsharded gradient, in
-    # the unsharded parameter's dtype (the compute dtype), waits for the unit's post-backward beside the input
-    # gradient
-    piped = c * tok * f_t + c * hf + _sp_gathered_grad(run)
-    return _residual_grad_bytes(run) + where(fsdp_sharded(run) == 1, where(run.pp > 1, piped, 0 * tr), tr) - where(
-        (fsdp_sharded(run) == 1) & (run.pp == 1), _residual_grad_bytes(run), 0)
+    # pipelining, whose backwards accumulate (`buffers.pipelined_fsdp_grad_bytes`): there the new unsharded
+    # gradient waits for the unit's post-backward beside the input gradient
+    return where(fsdp & (pipelined_fsdp(run) == 0), 0, _residual_grad_bytes(run) + tr)
 
 
 def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num, first_backward: bool = False
@@ -1677,10 +1677,10 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num, first_back
     # beside them, c x the unit's gradient elements (the embedding's on the first stage, a layer's elsewhere).
     # Without the policy `.grad` accumulates in place: the first stage's new dense embedding gradient beside it.
     # The other micro-batches in flight are held. Measured: docs/validation.md (PP x FSDP2 rows).
-    piped = (run.pp > 1) & (fsdp_sharded(run) == 1) & ("embeddings" not in frozen) & (run.training.lora_rank is None)
+    piped = (pipelined_fsdp(run) == 1) & ("embeddings" not in frozen) & (run.training.lora_rank is None)
     if run.recipe.compute_copy:
         dense_l, expert_l = layer_params(m, run.tp, run.ep)
-        piped_tail = c * where(first, word, dense_l + expert_l)
+        piped_tail = c * where(first, word, scaled(run, dense_l + expert_l))
     else:  # (the first backward's dense gradient becomes `.grad` itself)
         piped_tail = where(first, p * word, 0) if not first_backward else 0
     piped_end = others + out_one + sent + piped_tail
@@ -1860,10 +1860,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # torch pipelining over FSDP2 with MixedPrecisionPolicy: the last stage's root unit (final norm, LM head) runs
     # its post-backward only when the stage's backward ends, so a later micro-batch's compute-dtype head gradient
     # waits beside the accumulator through every layer's backward (measured: the PP x FSDP2 rows)
-    if run.profile == "torch" and run.zero >= 2 and run.recipe.compute_copy and "head" not in tr.freeze \
-            and tr.lora_rank is None:
+    if run.recipe.compute_copy and "head" not in tr.freeze and tr.lora_rank is None:
         head_wait = DTYPE_BYTES[run.recipe.compute_dtype] * first_backward_grad_elems(run, stage)[0]
-        late_dw = late_dw + where((run.pp > 1) & (fsdp_sharded(run) == 1) & last, head_wait, 0)
+        late_dw = late_dw + where((pipelined_fsdp(run) == 1) & last, head_wait, 0)
     # one backward frees one unit: a micro-batch (its layers and extras), or one model chunk when interleaved
     # (offloaded, the unit's layers are not resident: the window is counted per moment below)
     unit_gpu = 0 if off else unit_bytes
@@ -1875,8 +1874,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         # torch pipelining over FSDP2: the first backward's end holds the other micro-batches in flight too, with the
         # same accumulated gradients and unsharded units as a later one's (`_later_backward_end`)
         first_end, _ = _later_backward_end(run, stage, held - freed, 0, first_backward=True)
-        piped = (run.pp > 1) & (fsdp_sharded(run) == 1)
-        later_end = where(piped, imax(later_end, first_end), later_end)
+        later_end = where(pipelined_fsdp(run) == 1, imax(later_end, first_end), later_end)
 
     loss_fwd, loss_bwd = loss_transients(run)
     # torch pipelining holds the last stage's logits in `fwd_cache` (every_stage_terms `pipeline_output`)
@@ -1965,8 +1963,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # (torch pipelining over FSDP2 with MixedPrecisionPolicy: that compute-dtype weight gradient stays to the unit's
     # post-backward, which adds it to the reduce-dtype accumulator, so past the MLP's moment; without the policy
     # AccumulateGrad adds it to `.grad` at once)
-    piped_dw = where((run.pp > 1) & (fsdp_sharded(run) == 1), c * first_backward_grad_elems(run, 0)[1], 0) if (
-        run.profile == "torch" and m.moe is None and tr.lora_rank is None and run.recipe.compute_copy) else 0
+    piped_dw = where(pipelined_fsdp(run) == 1, c * first_backward_grad_elems(run, 0)[1], 0) if (
+        m.moe is None and tr.lora_rank is None and run.recipe.compute_copy) else 0
     later_layer_bwd = layer_bwd if off else base_bwd + imax(
         at_first_layer + piped_dw, _layer_moment(mode, where(later_dw > 0, later_dw - recv_stream, 0), remat))
     attn = attention_backward(run, plain)

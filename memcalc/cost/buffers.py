@@ -32,6 +32,7 @@ from memcalc.cost.params import (
     dense_layer_params,
     first_dense_layers,
     fsdp_sharded,
+    pipelined_fsdp,
     layer_norms,
     layer_params,
     layer_tensor_shapes,
@@ -52,7 +53,6 @@ from memcalc.cost.params import (
     stage_param_split,
     stage_params,
 )
-from memcalc.cost.states import model_states
 from memcalc.specs import DTYPE_BYTES, Run
 from memcalc.xp import muldiv, cdiv, imax, imin, where
 
@@ -461,9 +461,8 @@ def pipelined_fsdp_grad_bytes(run: Run, stage: Num) -> Num:
     to the vocab shard before the step's end: `params.replicated_embedding_grad`). 0 elsewhere."""
     if run.profile != "torch" or run.zero < 2:
         return 0
-    on = (run.pp > 1) & (fsdp_sharded(run) == 1)
     elems = _trainable_elems(run, stage) + replicated_embedding_grad(run, stage, under_fsdp=True)[0]
-    return where(on, DTYPE_BYTES[run.recipe.grad_dtype] * elems, 0)
+    return where(pipelined_fsdp(run) == 1, DTYPE_BYTES[run.recipe.grad_dtype] * elems, 0)
 
 
 def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
@@ -528,7 +527,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         where(sharded, cb * root_flat, 0), frozenset({"backward_root"}),
         "FSDP2 root unit's unsharded params at its backward (every layer resharded)")
     steady = (run.grad_accum > imin(run.grad_accum, run.pp - stage)) if run.schedule != "gpipe" else False
-    piped_steady = sharded & (run.pp > 1) & steady
+    piped_steady = (pipelined_fsdp(run) == 1) & steady
     if run.zero == 2:
         # reshard_after_forward=False: every unit stays unsharded from its forward to its post-backward
         # ... but every unit's post-backward reshards it, so a forward gathers each unit again: at the first
@@ -601,7 +600,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     # layer's down projection (the first weight gradient of a layer's backward)
     # (torch pipelining reduces once per step, after the last backward: its unsharded gradients accumulate and are
     # counted as the timeline's gradients, `pipelined_fsdp_grad_bytes`, and no reduce-scatter runs in between)
-    per_unit = sharded & (run.pp == 1)
+    per_unit = sharded & (pipelined_fsdp(run) == 0)
     head_g, down_g = first_backward_grad_elems(run, stage)
     out["fsdp_head_grads"] = Buffer(
         where(per_unit, muldiv(cb * head_g, share_num, share_den), 0),

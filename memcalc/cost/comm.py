@@ -63,12 +63,11 @@ from memcalc.cost.params import (
     head_params,
     largest_unit_params,
     layer_norms,
-    layer_params,
     layer_tensor_shapes,
     padded_shard_elems,
+    pipelined_fsdp,
     root_tensor_shapes,
     scaled,
-    shape_params,
     stage_first_layer,
     stage_dense_layers,
     stage_layer_params,
@@ -78,7 +77,7 @@ from memcalc.cost.params import (
     stage_tensor_shapes,
 )
 from memcalc.specs import DTYPE_BYTES, Run
-from memcalc.xp import as_int, cdiv, imax, imin, muldiv, where
+from memcalc.xp import as_int, cdiv, imax, imin, where
 
 Num = Any
 
@@ -274,7 +273,6 @@ def _stream_dtype(run: Run) -> tuple[str, Num]:
     return _label(fsdp, act, r.param_dtype), where(fsdp, DTYPE_BYTES[act], DTYPE_BYTES[r.param_dtype])
 
 
-
 # ---------------------------------------------------------------------------------------------------- builders
 
 
@@ -283,10 +281,7 @@ def _root_params(run: Run, stage: Num, total: Num) -> Num:
     module when every layer is its own `fully_shard` unit."""
     m = run.model
     dense_s, expert_s = stage_layer_params(run, stage)
-    in_layers = dense_s + expert_s
-    if m.params_override is not None:
-        in_layers = muldiv(in_layers, m.params_override, shape_params(m))
-    return imax(total - in_layers, 0)
+    return imax(total - scaled(run, dense_s + expert_s), 0)
 
 
 def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
@@ -610,7 +605,7 @@ def _sp_norm_grads_torch(run: Run, stage: Num, seg: list[tuple[Num, Num]]) -> _T
     fsdp_dtype = r.compute_dtype if r.compute_copy else r.param_dtype
     # torch pipelining over FSDP2 accumulates the unsharded grads and reduces once per step (`perform_reduce_grad`):
     # one redistribution per tensor, of the accumulator (the reduce dtype under MixedPrecisionPolicy)
-    piped = fsdp & (run.pp > 1)
+    piped = fsdp & (pipelined_fsdp(run) == 1)
     fsdp_b = where(piped, DTYPE_BYTES[r.grad_dtype], DTYPE_BYTES[fsdp_dtype])
     b = where(fsdp, fsdp_b, DTYPE_BYTES[opt_dtype]) * m.hidden
     calls = tensors * where(fsdp, where(piped, 1, ga), _OPT_GRAD_READS[t.optimizer] + 0 * ga)

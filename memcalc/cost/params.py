@@ -364,6 +364,13 @@ def fsdp_sharded(run: Run) -> Num:
     return where(run.shard_degree > 1, 1, 0) if run.zero >= 2 else 0
 
 
+def pipelined_fsdp(run: Run) -> Num:
+    """1 where torch pipelining runs over FSDP2 sharding (pp > 1, `fsdp_sharded`): every micro-batch's backward then
+    skips the reduce-scatter and the reshard (`PipelineStage.backward_maybe_with_nosync`), and the step reduces
+    once, after its last backward (`perform_reduce_grad`); else 0."""
+    return where(run.pp > 1, fsdp_sharded(run), 0) if run.profile == "torch" else 0
+
+
 def steps_every_tensor(run: Run) -> Num:
     """1 where this rank's optimizer steps every parameter it holds (no ZeRO-1 partition over a larger group)."""
     return where(run.shard_degree > 1, 0, 1) if run.zero == 1 else 1

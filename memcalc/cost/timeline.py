@@ -46,6 +46,7 @@ from memcalc.cost.params import (
     fsdp_sharded,
     layer_params,
     lora_first_grad_elems,
+    pipelined_fsdp,
     stage_params,
 )
 from memcalc.cost.states import ModelStates, model_states
@@ -129,11 +130,10 @@ def _first_grad_bytes(run: Run) -> Num:
     if t.freeze:
         return 0
     fsdp = 1 if (run.profile == "torch" and run.zero >= 2) else 0
-    # (torch pipelining over FSDP2 accumulates them unsharded, in the compute dtype, to the end of the step:
-    # counted as gradients, `buffers.pipelined_fsdp_grad_bytes`)
-    piped = DTYPE_BYTES[run.recipe.compute_dtype] * where(run.pp > 1, fsdp, 0)
-    return where(run.shard_degree > 1, DTYPE_BYTES[run.recipe.grad_dtype] * (1 - fsdp) + piped,
-                 DTYPE_BYTES[run.recipe.grad_dtype])
+    # (torch pipelining over FSDP2 keeps them unsharded, in the compute dtype, to the unit's post-backward, then
+    # accumulates them: counted as gradients, `buffers.pipelined_fsdp_grad_bytes`)
+    plain = DTYPE_BYTES[run.recipe.grad_dtype] * where(run.shard_degree > 1, 1 - fsdp, 1)
+    return where(pipelined_fsdp(run) == 1, DTYPE_BYTES[run.recipe.compute_dtype], plain)
 
 
 def _first_grads(run: Run, stage: Num) -> tuple[Num, Num]:
@@ -276,7 +276,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # torch pipelining over FSDP2 (`_layer_shares`): the whole unsharded gradients accumulated so far instead;
     # the sharded ones are made only after the step's last backward
     acc = shares[4]
-    piped = acc > 0
+    piped = pipelined_fsdp(run) == 1
     later_fwd_g = fwd_grads if first_step else where(forwards > act.in_flight, where(piped, acc, grads), fwd_grads)
     # forward: the loss (every saved activation + the logits and their fp32 upcast) or, just before it, the
     # LM head matmul (FSDP2 still holds the last unit's all-gather output there)
