@@ -81,12 +81,23 @@ def per_value(fn: Any, *args: Num) -> Num:
     the rare term with no closed form, such as a greedy partition), mapped back elementwise."""
     if _is_scalar(*args):
         return fn(*args)
+    return per_value_tuple(lambda *a: (fn(*a),), *args)[0]
+
+
+def per_value_tuple(fn: Any, *args: Num) -> list[Num]:
+    """As per_value for an fn that returns a tuple of ints: a list of its items for Python ints; for arrays, one
+    array per position, the tuples of combinations that return fewer items padded with zeros."""
+    if _is_scalar(*args):
+        return list(fn(*args))
     import numpy as np
 
     cols = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in args))
     if cols[0].ndim == 0:
-        return fn(*(int(c) for c in cols))
+        return list(fn(*(int(c) for c in cols)))
     stacked = np.stack([c.ravel() for c in cols], axis=1)
     uniq, inv = np.unique(stacked, axis=0, return_inverse=True)
-    vals = np.array([fn(*(int(v) for v in row)) for row in uniq], dtype=np.int64)
-    return vals[inv.ravel()].reshape(cols[0].shape)
+    rows = [tuple(fn(*(int(v) for v in row))) for row in uniq]
+    vals = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.int64)
+    for i, r in enumerate(rows):
+        vals[i, :len(r)] = r
+    return [vals[inv.ravel(), j].reshape(cols[0].shape) for j in range(vals.shape[1])]

@@ -424,6 +424,18 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         dict(L, precision="bf16", gpus=8, pp=2, tp=2, sp=True, zero=3, grad_accum=4, rank=0))
     add("PP2 x TP2+SP x FSDP2 ZeRO-3 fp32 (3-D), last stage", dict(
         L, precision="fp32", gpus=8, pp=2, tp=2, sp=True, zero=3, grad_accum=4, rank=2))
+    # DDP's rebuilt buckets, one all-reduce each, filled in gradient-ready order (comm._ddp_allreduce)
+    add("DDP fp32 --bucket-cap-mb 0.1: 8 buckets in gradient-ready order", dict(
+        L, precision="fp32", gpus=2, bucket_cap_mb=0.1))
+    add("DDP bf16 AMP GQA, QKV biases, fused QKV, --bucket-cap-mb 0.05, grad-accum 2: 10 buckets", dict(
+        GQA, precision="bf16", gpus=4, bucket_cap_mb=0.05, grad_accum=2, qkv_impl="fused"), {"qkv_bias": True})
+    add("DDP pure bf16 GPT-2 block (tied, learned positions, biases), --bucket-cap-mb 0.05: 7 buckets", dict(
+        P, precision="bf16", master_weights=False, gpus=2, bucket_cap_mb=0.05), gpt)
+    add("ZeRO-1 fp32 --bucket-cap-mb 0.1: DDP's buckets under ZeroRedundancyOptimizer", dict(
+        L, precision="fp32", gpus=2, zero=1, bucket_cap_mb=0.1))
+    add("fake DDP fp32 SGD, h 512, vocab 16000: the default 1 MiB first bucket (the head alone), then 25 MiB: 4", dict(
+        L, hidden=512, heads=8, ffn=2048, vocab=16000, seq=8, precision="fp32", gpus=8, optimizer="sgd"),
+        world="fake")
     return c
 
 

@@ -121,23 +121,31 @@ def test_hand_computed_step_time():
     P = 4 * (4 * 512**2 + 2 * 512 * 2048 + 4 * 512) + 2 * 8192 * 512 + 2 * 512
     assert P == 20_980_736
     S = 4 * P  # 83,922,944 bytes
-    sent = S * 2 * 3 // 4  # ring all-reduce over 4 ranks: 125,884,416 bytes
-    t_ar = 2 * 3 * 1e-5 + sent / 100e9  # 1.3188e-3 s, NVLink (the 4 ranks are in one node)
-    (c,) = comm.collectives(r)
-    assert (c.bytes_per_call, c.bytes_per_step, c.link) == (S, sent, "intra-node")
-    assert c.seconds_per_step == pytest.approx(t_ar)
-    # it overlaps the last micro-batch's backward (2 x forward / 4 micro-batches = 3.436e-3 s) except the last
-    # 25 MiB bucket: exposed = t_ar * 26,214,400 / 83,922,944 = 4.12e-4 s
+    # DDP's rebuilt buckets, in gradient-ready order (LM head, final norm, layers from the last, embedding): the
+    # head's 16,777,216 B closes the 1 MiB first bucket alone; a layer is 12,591,104 B (down and fc 4 MiB each,
+    # o/v/k/q 1 MiB each, two LayerNorms 4,096 B each); the final norm, layer 3 and layer 2 reach 25,186,304 B,
+    # layer 1's down projection closes the second at 29,380,608 B; the rest with the embedding is the last,
+    # 37,765,120 B
+    sizes = [16_777_216, 29_380_608, 37_765_120]
+    assert sum(sizes) == S
+    t = [2 * 3 * 1e-5 + b * 2 * 3 // 4 / 100e9 for b in sizes]  # ring all-reduce over 4 ranks on NVLink
+    colls = comm.collectives(r)
+    assert [(c.bytes_per_call, c.bytes_per_step, c.link, c.overlapped) for c in colls] == [
+        (16_777_216, 25_165_824, "intra-node", True), (29_380_608, 44_070_912, "intra-node", True),
+        (37_765_120, 56_647_680, "intra-node", False)]
+    assert [c.seconds_per_step for c in colls] == pytest.approx(t)
+    # the first two overlap the last micro-batch's backward (2 x forward / 4 micro-batches = 3.436e-3 s); the last
+    # bucket follows it: exposed = 6e-5 + 56,647,680 / 1e11 = 6.2648e-4 s
     bwd_last = 2 * (tokens * fwd_tok / (4 * rate)) / 4
     assert compute.overlap_windows(r)["bwd_last"] == pytest.approx(bwd_last)
-    exposed = max(t_ar * (25 * 2**20) / S, t_ar - bwd_last)
-    assert exposed == pytest.approx(4.1196e-4, rel=1e-4)
-    step = comp + exposed  # 0.021028 s
+    exposed = t[2] + max(0.0, t[0] + t[1] - bwd_last)
+    assert exposed == pytest.approx(6.2648e-4, rel=1e-4)
+    step = comp + exposed  # 0.021242 s
     assert compute.step_seconds(r) == pytest.approx(step)
-    assert compute.tokens_per_second(r) == pytest.approx(tokens / step)  # ~1.558e6 tokens/s
-    assert compute.achieved_mfu(r) == pytest.approx(flops / (step * 100e12 * 4))  # ~0.490
+    assert compute.tokens_per_second(r) == pytest.approx(tokens / step)  # ~1.543e6 tokens/s
+    assert compute.achieved_mfu(r) == pytest.approx(flops / (step * 100e12 * 4))  # ~0.485
     out = estimate(r, advice=False).compute
-    assert out.modelled and out.step_seconds == pytest.approx(step) and out.mfu == pytest.approx(0.4902, abs=1e-4)
+    assert out.modelled and out.step_seconds == pytest.approx(step) and out.mfu == pytest.approx(0.4853, abs=1e-4)
 
 
 def test_unknown_peak_is_said_not_guessed():

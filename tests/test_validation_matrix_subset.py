@@ -69,12 +69,17 @@ ROWS = {
     148: "TP+SP, AMP, grad-accum 2: a later micro-batch's whole embedding gradient",
     149: "TP without FSDP2, fp32 masters: the replicated gradient's upcast",
     151: "FSDP2 x TP: the root's replicated dense gradient and its shard's clone",
+    152: "DDP with 1-25 MiB of gradients: two buckets (the 1 MiB first one)",
     153: "grad-accum under AMP, wide MLP: the weight gradient and its fp32 cast",
     154: "grad-accum under AMP with TP+SP, wide MLP",
     156: "PP x TP, last stage: loss_parallel under the pipelining schedule",
     158: "PP x TP + SP under AMP, first stage: the forward end's reduce-scatter and fp32 MLP input",
     160: "PP x TP + SP under AMP, full recompute: the embedding's all-gathered gradient",
     161: "PP x TP GPipe under AMP: the forward sends keep their outputs",
+    172: "DDP's buckets in gradient-ready order (--bucket-cap-mb)",
+    173: "DDP's buckets: GQA, fused QKV with biases, AMP, grad-accum",
+    174: "DDP's buckets: GPT-2 block, tied head and learned positions, pure bf16",
+    176: "DDP's default buckets at 25 MiB, the LM head alone in the first",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

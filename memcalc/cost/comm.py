@@ -17,7 +17,8 @@ min(n_X, max(1, G // s_X)) of its ranks in one node of G GPUs (exact for power-o
 
 Which collectives run, per profile (sources next to each builder below):
 - data parallel (group dp x cp; expert parameters over dp x cp / ep): ZeRO-0 all-reduce once per step (no_sync
-  while accumulating); ZeRO-1 torch `ZeroRedundancyOptimizer` all-reduce + one broadcast per parameter tensor,
+  while accumulating; torch DDP one call per rebuilt bucket, `_ddp_allreduce`); ZeRO-1 torch
+  `ZeroRedundancyOptimizer` DDP's all-reduce + one broadcast per parameter tensor,
   megatron distributed optimizer / deepspeed reduce-scatter + all-gather once per step; ZeRO-2 reduce-scatter
   every micro-batch (+ torch FSDP2 `reshard_after_forward=False`: one all-gather per micro-batch; megatron /
   deepspeed: the all-gather once per step); ZeRO-3 all-gather in forward and again in backward + reduce-scatter,
@@ -56,10 +57,13 @@ whose layout fields are numpy arrays and agree exactly with the scalar `collecti
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from memcalc.cost.compute import overlap_windows, stage_recomputed_layers
 from memcalc.cost.params import (
+    grad_ready_elems,
+    grad_ready_listed,
     head_params,
     largest_unit_params,
     layer_norms,
@@ -68,6 +72,7 @@ from memcalc.cost.params import (
     pipelined_fsdp,
     root_tensor_shapes,
     scaled,
+    shape_params,
     stage_first_layer,
     stage_dense_layers,
     stage_layer_params,
@@ -77,12 +82,14 @@ from memcalc.cost.params import (
     stage_tensor_shapes,
 )
 from memcalc.specs import DTYPE_BYTES, Run
-from memcalc.xp import as_int, cdiv, imax, imin, where
+from memcalc.xp import as_int, cdiv, imax, imin, per_value_tuple, where
 
 Num = Any
 
-# torch DDP `bucket_cap_mb=25` (torch/nn/parallel/distributed.py)
+# torch DDP `bucket_cap_mb=25`, and with that default a first bucket of `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB)
+# once the buckets are rebuilt (torch/nn/parallel/distributed.py `_BucketConfig`)
 DDP_BUCKET_BYTES = 25 * 2**20
+DDP_FIRST_BUCKET_BYTES = 2**20
 # DeepSpeed `reduce_bucket_size` default 5e8 elements (deepspeed/runtime/zero/config.py)
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
 # Megatron-core DDP: bucket_size default max(40M, 1M * dp) parameters
@@ -217,6 +224,66 @@ def _tail(bucket_bytes: Num, s: Num) -> Num:
     return imin(1.0, bucket_bytes / imax(s, 1))
 
 
+# ---------------------------------------------------------------------------------------------------- torch DDP
+
+
+@functools.lru_cache(maxsize=512)
+def _ddp_bucket_layout(elems: tuple[int, ...], num: int, den: int, grad_bytes: int, first_cap: int,
+                       cap: int) -> tuple[int, ...]:
+    """torch DDP's buckets from the second step on: after the first backward the reducer rebuilds them in the order
+    the gradients became ready (c10d `Reducer::rebuild_buckets` -> `compute_bucket_assignment_by_size` with the
+    limits [first_cap, cap]): each gradient joins the open bucket, which closes once it holds at least its limit
+    (the first bucket's, then every later one's); what is left is the last bucket. `elems` are the tensors in
+    ready order (params.grad_ready_elems), scaled by num/den for `--params N` on the running total (so the buckets
+    add up to the scaled stage exactly). Returns (last bucket's bytes, size_0, count_0, size_1, count_1, ...): the
+    other buckets by size, in order of first appearance."""
+    sizes: list[int] = []
+    cum, start, limit = 0, 0, first_cap
+    for e in elems:
+        cum += e
+        end = cum * num // den * grad_bytes
+        if end - start >= limit:
+            sizes.append(end - start)
+            start, limit = end, cap
+    end = cum * num // den * grad_bytes
+    if end > start or not sizes:
+        sizes.append(end - start)
+    counts: dict[int, int] = {}
+    for b in sizes[:-1]:
+        counts[b] = counts.get(b, 0) + 1
+    return (sizes[-1], *(x for kv in counts.items() for x in kv))
+
+
+def _ddp_allreduce(run: Run, stage: Num, n: Num, seg: list[tuple[Num, Num]], grads: Num, gb: int, one: Num,
+                   pre: str, note: str) -> list[_Term]:
+    """The gradient all-reduce of torch DDP (also under ZeroRedundancyOptimizer), once per step over the last
+    micro-batch's backward. Where the tensors are listed (params.grad_ready_listed) it is counted bucket by
+    bucket: every bucket but the last overlaps the backward; the last (the embedding's gradient on the first
+    stage) is reduced after it. Else one logical call of the whole buffer, whose last 25 MiB is exposed."""
+    m, cap_mb = run.model, run.training.bucket_cap_mb
+    # a bucket_cap_mb of the user's (even 25) sets the first bucket's limit too (torch `_BucketConfig`)
+    cap = DDP_BUCKET_BYTES if cap_mb is None else int(cap_mb * 2**20)
+    first = DDP_FIRST_BUCKET_BYTES if cap_mb is None else cap
+    if not grad_ready_listed(run):
+        return [_term(run, "all-reduce", "dp", run.recipe.grad_dtype, n, grads, one, seg, window="bwd_last",
+                      tail=_tail(cap + 0 * grads, grads),
+                      note=f"{pre}: {note} (overlaps the last backward except the last bucket)")]
+    num, den = (m.params_override, shape_params(m)) if m.params_override is not None else (1, 1)
+
+    def layout(tp: int, pp: int, st: int) -> tuple[int, ...]:
+        return _ddp_bucket_layout(grad_ready_elems(run.replace(tp=tp, pp=pp), st), num, den, gb, first, cap)
+
+    last, *pairs = per_value_tuple(layout, run.tp, run.pp, stage)
+    dtype = run.recipe.grad_dtype
+    out = [_term(run, "all-reduce", "dp", dtype, n, s, c * one, seg, window="bwd_last",
+                 note=f"{pre}: {note}, one DDP bucket a call (buckets filled in gradient-ready order to "
+                      f"{first / 2**20:g} MiB, then {cap / 2**20:g} MiB each)")
+           for s, c in zip(pairs[::2], pairs[1::2], strict=True)]
+    out.append(_term(run, "all-reduce", "dp", dtype, n, last, one, seg,
+                     note=f"{pre}: DDP's last bucket, reduced after the backward"))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- groups
 
 
@@ -328,16 +395,17 @@ def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
             bwd_gathered = gathered
         if prof == "megatron":
             bucket = imax(MEGATRON_BUCKET_MIN, 1_000_000 * run.dp * run.cp) * gb
-        elif prof == "deepspeed":
+        else:  # deepspeed; torch DDP is bucketed tensor by tensor in _ddp_allreduce
             bucket = DEEPSPEED_REDUCE_BUCKET * gb
-        else:
-            bucket = DDP_BUCKET_BYTES + 0 * p
         unit_tail = _tail(unit * agb, gathered)
         pre = f"{label}grads" if label else "grads"
-        if z == 0:
-            # DDP all-reduce once per step; no_sync during accumulation (torch DDP, Megatron DDP, DeepSpeed
-            # engine `allreduce_gradients` at the accumulation boundary)
-            ovl = prof in ("torch", "megatron")
+        if z == 0 and prof == "torch":
+            # torch DDP all-reduce once per step; no_sync during accumulation
+            out += _ddp_allreduce(run, stage, n, seg, grads, gb, one, pre, "all-reduce once per step")
+        elif z == 0:
+            # DDP all-reduce once per step; no_sync during accumulation (Megatron DDP, DeepSpeed engine
+            # `allreduce_gradients` at the accumulation boundary)
+            ovl = prof == "megatron"
             out.append(_term(run, "all-reduce", "dp", r.grad_dtype, n, grads, one, seg,
                              window="bwd_last" if ovl else "none", tail=_tail(bucket, grads),
                              note=f"{pre}: all-reduce once per step ("
@@ -346,8 +414,7 @@ def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
         elif z == 1 and prof == "torch":
             # torch ZeroRedundancyOptimizer: DDP all-reduce, then each rank broadcasts its updated partition
             # (torch/distributed/optim/zero_redundancy_optimizer.py `_sync_params`; measured 4P + 4P in fp32)
-            out.append(_term(run, "all-reduce", "dp", r.grad_dtype, n, grads, one, seg, window="bwd_last",
-                             tail=_tail(bucket, grads), note=f"{pre}: DDP all-reduce once per step"))
+            out += _ddp_allreduce(run, stage, n, seg, grads, gb, one, pre, "DDP all-reduce once per step")
             if per_tensor and run.model.params_override is None:
                 # `_sync_params` -> `_broadcast_params_from_rank`: with parameters_as_bucket_view=False (the
                 # default) every parameter tensor is broadcast on its own from the rank that owns it: one call per
@@ -884,8 +951,9 @@ def comm_notes(run: Run) -> list[str]:
         "all-to-all (n-1)/n, broadcast and send/recv 1)",
         f"time: latency x ring steps + bytes / bandwidth; placement {','.join(run.order)} (innermost first), "
         f"{hw.gpus_per_node} GPUs per node",
-        "dp collectives run over dp x cp (ZeRO shard group); bucketed collectives are listed as one call of the "
-        "whole buffer",
+        "dp collectives run over dp x cp (ZeRO shard group); torch DDP's all-reduce is listed bucket by bucket "
+        "(its buckets rebuilt in gradient-ready order after the first step), Megatron's and DeepSpeed's bucketed "
+        "collectives as one call of the whole buffer",
     ]
     if hw.intra_node_bytes_per_s <= 0 or hw.inter_node_bytes_per_s <= 0:
         notes.append("hardware lacks an intra- or inter-node bandwidth: collectives on that link are timed by "

@@ -545,6 +545,50 @@ def stage_tensor_shapes(run: Run, stage: Num) -> list[tuple[Num, Num, Num]]:
     return shapes + root_tensor_shapes(run, stage)
 
 
+def grad_ready_listed(run: Run) -> bool:
+    """Whether `grad_ready_elems` lists the stage's tensors (categorical): dense models with standard or fused QKV
+    attention and every parameter trainable (not MoE, MLA, LoRA or --freeze)."""
+    t = run.training
+    return run.model.moe is None and run.model.mla is None and t.lora_rank is None and not t.freeze
+
+
+def grad_ready_elems(run: Run, stage: int) -> tuple[int, ...]:
+    """Elements of each parameter tensor one rank of `stage` holds (after TP, before `--params` scaling), in the
+    order autograd makes their gradients ready in backward (scalar run; `grad_ready_listed` runs only). That is
+    the reverse of the order the forward uses them, a linear's bias before its weight: the LM head, the final norm,
+    then from the last layer down, up, gate, norm2, o, v, k, q, norm1, and the embedding last (a tied head's
+    gradient is summed into the embedding's, so it is ready there). Measured as DDP's rebuilt bucket order
+    (`DistributedDataParallel._get_ddp_logging_data()['rebuilt_per_bucket_param_indices']`) on the harness's model:
+    docs/methodology.md, "DDP buckets"."""
+    m, tp = run.model, run.tp
+    h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
+
+    def linear(rows: int, cols: int, bias: bool) -> list[int]:
+        return [rows * cols] + ([rows] if bias else [])
+
+    norm = [h, h] if m.norm == "layernorm" else [h]
+    rows_v = cdiv(padded_vocab(m, run.profile, tp), tp)
+    layer = list(norm)
+    if run.training.qkv_impl == "fused":  # one QKV matrix (lit-gpt)
+        layer += linear((a + 2 * g) * d // tp, h, m.qkv_bias)
+    else:
+        layer += linear(a * d // tp, h, m.qkv_bias) + 2 * linear(g * d // tp, h, m.qkv_bias)
+    layer += linear(h, a * d // tp, m.linear_bias)  # o: row-parallel, its bias replicated
+    if m.block != "parallel-shared-norm":
+        layer += norm
+    layer += (2 if m.mlp == "swiglu" else 1) * linear(m.ffn // tp, h, m.linear_bias)  # gate, up (or fc)
+    layer += linear(h, m.ffn // tp, m.linear_bias)  # down
+    fwd: list[int] = []
+    if stage == 0:
+        fwd += [rows_v * h] + ([m.max_positions * h] if m.positions == "learned" else [])
+    fwd += layer * stage_layers(m, run.pp, stage)
+    if stage == run.pp - 1:
+        fwd += norm
+        if not m.tied_embeddings or run.pp > 1:
+            fwd += linear(rows_v, h, m.head_bias)
+    return tuple(reversed(fwd))
+
+
 def padded_shard_elems(shapes: list[tuple[Num, Num, Num]], degree: Num) -> Num:
     """Elements of one rank's FSDP2 shard of the given tensors: each dim 0 padded to a multiple of `degree`."""
     total = 0

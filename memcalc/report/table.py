@@ -172,7 +172,8 @@ def _purpose(note: str, window: str) -> str:
     if not phase:
         words = set(re.findall(r"[a-z]+", rest.lower()))
         fwd, bwd = bool(words & {"fwd", "forward"}), bool(words & {"bwd", "backward"})
-        phase = "fwd+bwd" if fwd and bwd else "fwd" if fwd else "bwd" if bwd else ""
+        phase = "fwd+bwd" if fwd and bwd else "fwd" if fwd else ("after bwd" if "after" in words else "bwd") if bwd \
+            else ""
     return f"{subject} {phase}".strip()
 
 
@@ -180,13 +181,22 @@ def _render_comm_compute(est: Estimate, con: Console, units: str) -> None:
     comm, comp = est.communication, est.compute
     if comm.modelled and comm.collectives:
         t = Table(box=None, header_style="bold", pad_edge=False, title=None)
-        rows = []
+        # collectives that differ only in the size of one call (DDP's buckets, per-tensor broadcasts) share a
+        # line, with the range of sizes; JSON and --explain keep them apart
+        merged: dict[tuple[str, ...], list] = {}
         for c in comm.collectives:
             link = _LINK.get(c.link, c.link) + ("*" if c.overlapped else "")
             group = c.group if c.group == "host" else f"{c.group}×{c.group_size}"
-            rows.append([c.op, group, format_bytes(c.bytes_per_call, units),
-                         f"{c.calls_per_step:,}", _num(c.bytes_per_step, units), f"{c.seconds_per_step * 1e3:,.1f}",
-                         link, _purpose(c.note, c.window)])
+            key = (c.op, group, link, _purpose(c.note, c.window))
+            acc = merged.setdefault(key, [c.bytes_per_call, c.bytes_per_call, 0, 0, 0.0])
+            acc[0], acc[1] = min(acc[0], c.bytes_per_call), max(acc[1], c.bytes_per_call)
+            acc[2] += c.calls_per_step
+            acc[3] += c.bytes_per_step
+            acc[4] += c.seconds_per_step
+        rows = []
+        for (op, group, link, purpose), (lo, hi, calls, sent, sec) in merged.items():
+            per_call = format_bytes(hi, units) if lo == hi else f"{_num(lo, units)}–{format_bytes(hi, units)}"
+            rows.append([op, group, per_call, f"{calls:,}", _num(sent, units), f"{sec * 1e3:,.1f}", link, purpose])
         cols = (("collective", "left"), ("group", "left"), ("per call", "right"), ("calls", "right"),
                 (f"sent {units}", "right"), ("ms", "right"), ("link", "left"), ("for", "left"))
         # the last column takes what the terminal leaves (at least 8 characters), the others never shrink
