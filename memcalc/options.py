@@ -371,11 +371,15 @@ def build_hardware(o: RunOptions) -> HardwareSpec:
     return hw.model_copy(update=upd) if upd else hw
 
 
+_OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(RunOptions))
+
+
 def _spec_error(e: ValidationError) -> str:
     err = e.errors()[0]
     loc = [str(x) for x in err.get("loc", ())]
     field = loc[-1] if loc else ""
-    flag = FLAG_OF.get(field, field)
+    # a field of RunOptions is the option of the same name (--bucket-cap-mb for bucket_cap_mb)
+    flag = FLAG_OF.get(field) or (f"--{field.replace('_', '-')}" if field in _OPTION_FIELDS else field)
     msg = err.get("msg", "invalid")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]

@@ -61,6 +61,8 @@ BAD_INPUTS = [
     (["--model", "llama-2-7b", "--gqa-impl", "repeat"], "--gqa-impl 'repeat'"),
     (["--model", "llama-2-7b", "--optimizer-impl", "apex"], "--optimizer-impl 'apex'"),
     (["--model", "llama-2-7b", "--foreach", "--optimizer-impl", "fused"], "--foreach contradicts --optimizer-impl"),
+    (["--model", "llama-2-7b", "--gpus", "8", "--bucket-cap-mb", "0"], "--bucket-cap-mb 0.0"),
+    (["--model", "llama-2-7b", "--reduce-bucket-size", "0"], "--reduce-bucket-size 0"),
 ]
 
 
