@@ -436,6 +436,18 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     add("fake DDP fp32 SGD, h 512, vocab 16000: the default 1 MiB first bucket (the head alone), then 25 MiB: 4", dict(
         L, hidden=512, heads=8, ffn=2048, vocab=16000, seq=8, precision="fp32", gpus=8, optimizer="sgd"),
         world="fake")
+    # PP x FSDP2 ZeRO-3, weight-heavy (wide MLP, 16 tokens): a backward's units stay gathered (timeline: the
+    # copy-outs beside the finished units, 1F1B's cool-down with every unit gathered, a layer's compute-dtype
+    # gradients before its post-backward adds them to the fp32 accumulator)
+    WH = dict(L, hidden=128, ffn=1024, seq=16, gpus=4, pp=2, zero=3, recompute="full", rank=0)
+    add("PP2 x FSDP2 ZeRO-3 fp32 full recompute, weight-heavy, m 4, first stage: a later backward's last copy-out",
+        dict(WH, precision="fp32", grad_accum=4))
+    add("PP2 x FSDP2 ZeRO-3 bf16 full recompute, weight-heavy, m 2, first stage: the cool-down, every unit gathered",
+        dict(WH, precision="bf16", grad_accum=2))
+    add("PP4 x FSDP2 ZeRO-3 bf16 full recompute, weight-heavy, 8 layers, m 4, first stage: the cool-down", dict(
+        WH, layers=8, gpus=8, pp=4, precision="bf16", grad_accum=4))
+    add("PP2 x FSDP2 ZeRO-3 bf16, weight-heavy, m 3, first stage: a steady-state backward, then the cool-down", dict(
+        WH, precision="bf16", grad_accum=3, recompute="none"))
     return c
 
 

@@ -314,3 +314,44 @@ def test_later_layer_weight_gradient_and_amp_copies_freed_per_layer():
 
 def live_total(sm, name):
     return sum(live(sm, name).values()) - sm.buffers_detail["cublas_workspaces"]
+
+
+def test_pipelined_fsdp_zero3_copy_outs_and_the_cool_down():
+    """torch pipelining over FSDP2 ZeRO-3 keeps every finished unit gathered (no reshard after a pipelined backward).
+    PP2 over 4 ranks (dp 2), 4 layers of h 128, SwiGLU f 1024, vocab 512, 16 tokens, full recompute, stage 0 (2
+    layers + the embedding). One layer: q, k, v, o 4 x 128 x 128 + gate, up, down 3 x 128 x 1024 + two norms 256 =
+    459,008 elements; the stage 983,552 (sharded over 2: 491,776).
+    - fp32, m 4 (matrix row 177, measured 15,705,180 B): 1F1B's warm-up is min(pp - 1 - s, m) = 1 forward, so
+      backwards 1 and 2 follow a forward, which resharded every unit: such a backward's last copy-out (its first
+      layer's) has the finished layer gathered beside the layer's all-gather output and parameters, 3 units of
+      1,836,032 B, the root's embedding 262,144 and the receive buffers and token batch 32,768 + 1,024; the
+      accumulated unsharded gradients 4 x 983,552 = 3,934,208 (-5.9% without the finished layer).
+    - bf16 under MixedPrecisionPolicy, m 2 (row 178, measured 12,764,060 B): the second backward follows the first
+      (the cool-down): every unit gathered in bf16 (2 x 918,016 and the embedding 131,072), and at its layer's end
+      that layer's bf16 gradients (918,016), waiting for the post-backward that adds them to the fp32 accumulator
+      (3,934,208); receive buffers and tokens 8,192 + 512 (-1.3% before)."""
+    from conftest import run_of
+
+    shape = dict(layers=4, hidden=128, heads=4, ffn=1024, vocab=512, seq=16, gpus=4, pp=2, zero=3, recompute="full")
+    unit = 459_008 * 4
+    r = run_of(**shape, precision="fp32", grad_accum=4)
+    assert timeline._layer_shares(r, 0)[5:] == (2 * unit, 1, 1)  # copy-in, a later backward re-gathers, cool-down
+    sm = stage_memory(r, 0)
+    bwd = live(sm, "backward")
+    states = 491_776 * 4 + 3_934_208 + 2 * 491_776 * 4  # shards, accumulator, Adam moments
+    assert bwd["params"] + bwd["grads"] + bwd["optimizer"] == states
+    assert bwd["buffers"] - sm.buffers_detail["cublas_workspaces"] == 3 * unit + 262_144 + 32_768 + 1_024
+    assert sum(bwd.values()) - sm.buffers_detail["cublas_workspaces"] == 15_705_088  # -0.001% of the measured
+
+    r = run_of(**shape, precision="bf16", grad_accum=2)
+    assert timeline._layer_shares(r, 0)[6:] == (0, 1)  # no backward after the first follows a forward
+    sm = stage_memory(r, 0)
+    bwd = live(sm, "backward")
+    assert bwd["buffers"] - sm.buffers_detail["cublas_workspaces"] == 2 * 918_016 + 131_072 + 918_016 + 8_192 + 512
+    assert sum(bwd.values()) - sm.buffers_detail["cublas_workspaces"] == 12_743_680  # -0.16% of the measured
+
+    # 1F1B's warm-up and cool-down by stage: PP4, m 4 - stage 0 (3 warm-up forwards) re-gathers in no later
+    # backward; stage 3 (none) in all, and has no cool-down; GPipe's later backwards follow backwards
+    pp4 = dict(shape, layers=8, gpus=8, pp=4, precision="bf16", grad_accum=4)
+    assert [timeline._layer_shares(run_of(**pp4), s)[6:] for s in range(4)] == [(0, 1), (1, 1), (1, 1), (1, 0)]
+    assert timeline._layer_shares(run_of(**pp4, schedule="gpipe"), 0)[6:] == (0, 0)

@@ -1011,6 +1011,10 @@ class StageActivations:
     # the stage's later layers' backward moments, beyond `backward_layer_bytes - k * layer_freed_bytes`: the
     # incoming gradient that the first layer found in torch pipelining's receive buffer
     layer_k_extra_bytes: Num = 0
+    # 1F1B's cool-down: what its first backward (one that follows a backward) holds less than a later steady-state
+    # one (one that follows a forward): one micro-batch's saved set where the stage runs more micro-batches than it
+    # holds, else 0 (every later backward is then a cool-down one, as `backward_later_bytes` counts)
+    drain_less_bytes: Num = 0
 
     def offloaded_layer_at(self, k: Num) -> Num:
         """Offloading: activations inside the backward of the stage's k-th layer from the last (k = 0 is the first
@@ -2022,6 +2026,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_later_end_bytes=where(total_units > 1, later_end, _NEVER),
         backward_later_head_bytes=where(total_units > 1, later_head, _NEVER),
         layer_k_extra_bytes=layer_k_extra,
+        drain_less_bytes=where(total_units > units, freed, 0),
         forward_head_bytes=base + w_last + where(last, _head_moment(run, logits, dq_head_fwd), 0),
         forward_layer_bytes=base - one_layer + w_prev,
         forward_first_layer_bytes=_first_layer_copy_out(run, stage),

@@ -611,8 +611,12 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
         "unsharded grad of the down projection, the first weight gradient of a layer's backward")
     # the end of a layer's backward: all its unsharded grads, before its post-backward (weight-heavy layers: short
     # sequences, wide MLPs). Measured: docs/validation.md row 141.
+    # (torch pipelining with MixedPrecisionPolicy too: its post-backward adds them to the reduce-dtype accumulator
+    # then, `FSDPParam.accumulate_unsharded_grad_if_needed`; without the policy AccumulateGrad adds each to `.grad`)
+    piped_mp = sharded & (pipelined_fsdp(run) == 1) if run.recipe.compute_copy else 0 * sharded
     out["fsdp_layer_unsharded_grads"] = Buffer(
-        where(per_unit, muldiv(cb * layer, share_num, share_den), 0), frozenset({"backward_layer_end"}),
+        where(per_unit | (piped_mp == 1), muldiv(cb * layer, share_num, share_den), 0),
+        frozenset({"backward_layer_end"}),
         "a layer's unsharded grads at the end of its backward, before its post-backward")
     # the layer's post-backward: all its unsharded grads, copied into the reduce-scatter input (reduce dtype)
     out["fsdp_layer_reduce_scatter"] = Buffer(

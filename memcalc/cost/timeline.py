@@ -201,26 +201,45 @@ def _peak(phases: tuple[Phase, ...]) -> Num:
     return peak
 
 
-def _layer_shares(run: Run, stage: Num) -> tuple[Num, Num, Num, Num, Num, Num]:
+# `_layer_shares`: (one layer's elements, the stage's, the bytes a finished layer frees, the root's sharded gradient
+# bytes, the pipelined accumulator's bytes, the copy-in bytes, whether a later backward re-gathers, whether one
+# follows a backward with every unit gathered)
+_Shares = tuple[Num, Num, Num, Num, Num, Num, Num, Num]
+
+
+def _layer_shares(run: Run, stage: Num) -> _Shares:
     """What each finished layer of backward changes: (elements of one layer, of the stage), i.e. one layer's share
     of the stage's gradients, and the buffer bytes it frees (`buffers.fsdp_backward_release_bytes`, the autocast
     copies of `buffers.amp_layer_casts_freed`); and FSDP2's root sharded gradient bytes, not yet made at the
     root's reduce-scatter (`buffers.fsdp_root_shard_grad_bytes`); and the unsharded gradients torch pipelining
     over FSDP2 accumulates from the first backward to the end of the step's backwards
     (`buffers.pipelined_fsdp_grad_bytes`); and there, under ZeRO-3, the copy-in that starts a backward on every stage
-    but the last (whose LM head, in the root unit, runs first: its layers' moments bound it), 0 elsewhere."""
+    but the last (whose LM head, in the root unit, runs first: its layers' moments bound it), 0 elsewhere; and 1
+    where a later micro-batch's backward follows a forward, which resharded every unit, so that it gathers its
+    layers again (0 where torch pipelining's later backwards all follow backwards, every unit still gathered); and 1
+    where 1F1B's cool-down has such a backward that follows a backward (torch pipelining over ZeRO-3, every stage
+    but the last), 0 elsewhere."""
     dense_l, expert_l = layer_params(run.model, run.tp, run.ep)
     dense_s, expert_s = stage_params(run, stage)
     freed = fsdp_backward_release_bytes(run, stage) + amp_layer_casts_freed(run)
     acc = pipelined_fsdp_grad_bytes(run, stage)
     unit = -fsdp_backward_release_bytes(run, stage)  # a gathered layer, where `acc` is not 0
     regather = where((acc > 0) & (stage < run.pp - 1) & (run.zero >= 3), 2 * unit, 0)
+    # torch's 1F1B (torch/distributed/pipelining/schedules.py `Schedule1F1B`): stage s runs min(pp - 1 - s, m)
+    # warm-up forwards, then a forward before each backward until its forwards run out, then the cool-down's
+    # backwards back to back; so the backwards after its first that follow a forward number m - warm-up - 1
+    # (GPipe's later backwards all follow backwards)
+    warm = imin(run.pp - 1 - stage, run.grad_accum)
+    steady = where(run.grad_accum - warm >= 2, 1, 0) if run.schedule != "gpipe" else 0 * warm
+    later_regathers = where(pipelined_fsdp(run) == 1, steady, 1)
+    cool_down = where((pipelined_fsdp(run) == 1) & (stage < run.pp - 1), 1, 0) \
+        if run.schedule != "gpipe" and run.zero >= 3 else 0 * warm
     return (dense_l + expert_l, imax(dense_s + expert_s, 1), freed, fsdp_root_shard_grad_bytes(run, stage), acc,
-            regather)
+            regather, later_regathers, cool_down)
 
 
 def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
-            shares: tuple[Num, Num, Num, Num, Num, Num]) -> tuple[Phase, ...]:
+            shares: _Shares) -> tuple[Phase, ...]:
     """The phases of the step: each the highest of its moments (`_moments`)."""
     fwd, bwd, opt, _ = _moments(run, s, act, at, grads, first_grads, shares)
     return (
@@ -231,7 +250,7 @@ def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, 
 
 
 def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
-                   shares: tuple[Num, Num, Num, Num, Num, Num], stranded: Num) -> tuple[Num, Num]:
+                   shares: _Shares, stranded: Num) -> tuple[Num, Num]:
     """(highest total over every moment of the step, the same with `stranded` bytes added at the loss gradient:
     the first backward's, and a later micro-batch's where there is one)."""
     fwd, bwd, opt, losses = _moments(run, s, act, at, grads, first_grads, shares)
@@ -243,7 +262,7 @@ def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads
 
 
 def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
-             shares: tuple[Num, Num, Num, Num, Num, Num]
+             shares: _Shares
              ) -> tuple[list[dict[str, Num]], list[dict[str, Num]], dict[str, Num],
                                                tuple[dict[str, Num], dict[str, Num]]]:
     """The candidate moments of forward and backward and the optimizer step, from the states, the activations, the
@@ -321,7 +340,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     a, n_l = act.layer_freed_bytes, act.layers
     # rel: buffer bytes a finished layer frees (FSDP2 ZeRO-2's reshard, or the layer's autocast copies; minus a
     # layer under torch pipelining's ZeRO-3, whose finished units stay gathered)
-    layer_elems, stage_elems, rel, root_shard, _, copy_in = shares
+    layer_elems, stage_elems, rel, root_shard, _, copy_in, later_regathers, cool_down = shares
     g = 0 * grads if s.grads_persistent else muldiv(later_g, layer_elems, stage_elems)
     more = n_l > 1
     k_last = imax(n_l - 1, 1)
@@ -337,14 +356,24 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
 
     # torch pipelining over FSDP2 leaves every unit unsharded after a backward (`rel` is minus a unit under ZeRO-3):
     # GPipe's backwards follow one another, so a later one finds them all gathered (1F1B's forward in between
-    # reshards them; its cool-down, with fewer micro-batches held, is not a candidate)
+    # reshards them; its cool-down below)
     all_units = where(piped & (run.schedule == "gpipe"), -n_l * rel, 0)
     later_loss = if_later(moment(later_g, later_act, buf("backward") + all_units))
+    # ... 1F1B's cool-down (every stage but the last): a backward that follows a backward finds every unit
+    # gathered, with one micro-batch fewer held than a steady-state backward (`drain_less_bytes`; none fewer where
+    # every later backward is such a one): its start, its first layer's backward and that layer's end (its
+    # unsharded gradients made), each above the same moment of its later layers
+    drains = later & (cool_down == 1)
+    gathered = -n_l * rel
+    less = act.drain_less_bytes
+
+    def drain(a_k: Num, b_k: Num) -> dict[str, Num]:
+        return moment(later_g, where(drains, a_k - less, _NEVER), b_k + gathered)
     # ... and under ZeRO-3 every unit was resharded after its forward, the stage's last one too: a backward starts
     # with that unit's copy-out, its all-gather output beside its unsharded parameters (GPipe's later ones excepted)
     regather = copy_in > 0
     first_copy_in = moment(first_g, where(regather, act.backward_first_bytes, _NEVER), buf("backward") + copy_in)
-    later_copy_in = if_later(moment(later_g, where(regather & (all_units == 0), later_act, _NEVER),
+    later_copy_in = if_later(moment(later_g, where(regather & (later_regathers == 1), later_act, _NEVER),
                                     buf("backward") + copy_in))
 
     # FSDP2's moments beside a layer's post-backward hold its activations (`backward_post_bytes`, less a layer's
@@ -360,9 +389,10 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         return moment(g_k, where(fsdp & (k < n_l), a_k - k * a, _NEVER), buf("backward_layer_end")
                       - k * rel + where(k >= 1, buf("backward_layer_next"), 0) + where(k < n_l - 1, pre, 0))
 
-    def copy_out(k: Num, g_k: Num, a_k: Num) -> dict[str, Num]:
-        # FSDP2 ZeRO-3: layer k's copy-out after layer k-1's post-backward
-        return moment(g_k, where(gathers, a_k - (k - 1) * a, _NEVER), buf("backward_copy_out"))
+    def copy_out(k: Num, g_k: Num, a_k: Num, exists: Any = True) -> dict[str, Num]:
+        # FSDP2 ZeRO-3: layer k's copy-out after layer k-1's post-backward (under torch pipelining the k finished
+        # units stay gathered beside it: `rel` is minus a unit)
+        return moment(g_k, where(gathers & exists, a_k - (k - 1) * a, _NEVER), buf("backward_copy_out") - k * rel)
 
     offloaded = act.offload_parts is not None
 
@@ -380,8 +410,9 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         moment(layer_g, act.backward_post_bytes, buf("backward_post") - rel + where(more, pre, 0)),
         if_later(moment(later_g, act.backward_later_post_bytes, buf("backward_post") - rel + where(more, pre, 0))),
         # FSDP2 ZeRO-3: a layer's copy-out after the previous one's post-backward, k layers' sharded gradients
-        # made: linear in k, so the second layer's and the last's bound the others
-        *[copy_out(k, layer_g + k * g, act.backward_post_bytes) for k in (1, k_last)],
+        # made (under torch pipelining their unsharded ones; none of the layer's own yet): linear in k, so the
+        # second layer's and the last's bound the others
+        *[copy_out(k, k * g, act.backward_post_bytes) for k in (1, k_last)],
         moment(layer_g + where(more, g, 0), acts_at(1),
                buf("backward_layer") + where(more, buf("backward_layer_next") - rel, 0) + where(n_l > 2, pre, 0)),
         moment(layer_g + where(more, k_pen * g, 0), acts_at(k_pen),
@@ -398,9 +429,12 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         later_copy_in,
         if_later(moment(later_g, act.backward_later_layer_bytes, buf("backward_layer") + where(
             all_units > 0, all_units + rel, where(more, pre, 0)))),
-        *[if_later(copy_out(k, later_g, act.backward_later_post_bytes)) for k in (1, k_last)],
+        *[if_later(copy_out(k, later_g, act.backward_later_post_bytes, later_regathers == 1)) for k in (1, k_last)],
         *[layer_end(k, layer_g + k * g, act.backward_post_bytes) for k in (0, 1, k_pen, k_last)],
         *[if_later(layer_end(k, later_g, act.backward_later_post_bytes)) for k in (0, 1, k_pen, k_last)],
+        drain(later_act, buf("backward")),
+        drain(act.backward_later_layer_bytes, buf("backward_layer") + rel),
+        drain(act.backward_later_post_bytes, buf("backward_layer_end") + rel),
         # its LM head's backward: the head's new weight gradient beside the accumulated ones
         if_later(moment(later_g, act.backward_later_head_bytes, buf("backward"))),
         # its end under torch pipelining's step-wide autocast (the weights' compute-dtype gradients waiting); over
