@@ -559,7 +559,7 @@ def grad_ready_elems(run: Run, stage: int) -> tuple[int, ...]:
     then from the last layer down, up, gate, norm2, o, v, k, q, norm1, and the embedding last (a tied head's
     gradient is summed into the embedding's, so it is ready there). Measured as DDP's rebuilt bucket order
     (`DistributedDataParallel._get_ddp_logging_data()['rebuilt_per_bucket_param_indices']`) on the harness's model:
-    docs/methodology.md, "DDP buckets"."""
+    docs/methodology.md, "torch DDP, bucket by bucket"."""
     m, tp = run.model, run.tp
     h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
 
