@@ -448,6 +448,8 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         WH, layers=8, gpus=8, pp=4, precision="bf16", grad_accum=4))
     add("PP2 x FSDP2 ZeRO-3 bf16, weight-heavy, m 3, first stage: a steady-state backward, then the cool-down", dict(
         WH, precision="bf16", grad_accum=3, recompute="none"))
+    add("LoRA r=4 all, bf16 base, DDP, --bucket-cap-mb 0.01: the adapters' buckets, B before A", dict(
+        L, precision="bf16", lora_rank=4, lora_targets="all", gpus=2, bucket_cap_mb=0.01))
     return c
 
 

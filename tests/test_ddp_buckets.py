@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from memcalc.cost import comm
-from memcalc.cost.params import grad_ready_elems, stage_params
+from memcalc.cost.params import grad_ready_elems, stage_param_split, stage_params
 from memcalc.specs import DTYPE_BYTES, ModelSpec
 from tests.test_comm import make
 
@@ -28,15 +28,16 @@ PHI = ModelSpec(name="p", hidden=256, layers=5, heads=8, ffn=1024, vocab=1003, m
 @pytest.mark.parametrize("profile", ["torch", "megatron"])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (4, 3), (2, 5)])
 def test_ready_order_lists_every_tensor_of_the_stage(model, profile, tp, pp):
-    """The listed tensors add up to the stage's parameters on every stage (embedding on the first, final norm and
-    head on the last, a tied head's own copy when pp > 1; Megatron's padded vocabulary)."""
+    """The listed tensors add up to the stage's trainable parameters on every stage (embedding on the first, final
+    norm and head on the last, a tied head's own copy when pp > 1; Megatron's padded vocabulary; LoRA's adapters)."""
     if profile == "megatron" and model.block != "sequential":
         pytest.skip("Megatron-LM's layer is sequential")
-    for qkv in ("separate", "fused"):
-        run = make(model, profile=profile, tp=tp, pp=pp, qkv_impl=qkv)
+    for kw in ({"qkv_impl": "separate"}, {"qkv_impl": "fused"}, {"lora_rank": 8, "lora_targets": "all"},
+               {"lora_rank": 4, "lora_targets": "q,v,down"}):
+        run = make(model, profile=profile, tp=tp, pp=pp, **kw)
         for stage in range(pp):
             elems = grad_ready_elems(run, stage)
-            assert sum(elems) == stage_params(run, stage)[0], (qkv, stage)
+            assert sum(elems) == stage_param_split(run, stage).trainable_dense, (kw, stage)
             assert all(e > 0 for e in elems)
 
 
@@ -75,7 +76,7 @@ import json, sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, sys.argv[1])
 from tests.test_ddp_buckets import case_run
-from memcalc.validate.model import GPT, loss_fn
+from memcalc.validate.model import GPT, apply_lora, loss_fn
 dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
 out = {}
 for name in json.loads(sys.argv[2]):
@@ -84,7 +85,10 @@ for name in json.loads(sys.argv[2]):
     model = GPT(run.model, qkv_impl=run.training.qkv_impl)
     if run.recipe.param_dtype == "bf16":
         model = model.to(torch.bfloat16)
-    params = list(model.parameters())
+    t = run.training
+    if t.lora_rank is not None:
+        apply_lora(model, t.lora_targets, t.lora_rank, torch.float32, t.lora_dropout or 0.0)
+    params = [p for p in model.parameters() if p.requires_grad]  # what DDP buckets
     kw = {} if run.training.bucket_cap_mb is None else {"bucket_cap_mb": run.training.bucket_cap_mb}
     ddp = DDP(model, **kw)
     x = torch.randint(0, run.model.vocab, (1, run.seq))
@@ -106,6 +110,8 @@ _CASES = {
     "fused-qkv-pure-bf16": (LLAMA, {"qkv_impl": "fused", "precision": "bf16", "master_weights": False,
                                     "bucket_cap_mb": 0.1}),
     "wide-default-caps": (ModelSpec(name="w", hidden=512, layers=3, heads=8, ffn=2048, vocab=16000), {}),
+    "lora-all-gqa": (LLAMA, {"lora_rank": 8, "lora_targets": "all", "bucket_cap_mb": 0.02}),
+    "lora-qv-gelu-biases": (GPT2, {"lora_rank": 4, "lora_targets": "q,v,up", "bucket_cap_mb": 0.01}),
 }
 
 

@@ -82,6 +82,7 @@ ROWS = {
     176: "DDP's default buckets at 25 MiB, the LM head alone in the first",
     178: "PP x FSDP2 bf16, 1F1B's cool-down: every unit gathered, a layer's bf16 gradients before its post-backward",
     180: "PP x FSDP2 bf16, weight-heavy: a steady-state backward, then the cool-down",
+    181: "LoRA under DDP: the adapters' buckets",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3

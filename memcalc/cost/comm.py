@@ -268,7 +268,9 @@ def _ddp_allreduce(run: Run, stage: Num, n: Num, seg: list[tuple[Num, Num]], gra
         return [_term(run, "all-reduce", "dp", run.recipe.grad_dtype, n, grads, one, seg, window="bwd_last",
                       tail=_tail(cap + 0 * grads, grads),
                       note=f"{pre}: {note} (overlaps the last backward except the last bucket)")]
-    num, den = (m.params_override, shape_params(m)) if m.params_override is not None else (1, 1)
+    # `--params N` scales the reference shape's tensors (not LoRA's adapters, params.stage_param_split)
+    scale = m.params_override is not None and run.training.lora_rank is None
+    num, den = (m.params_override, shape_params(m)) if scale else (1, 1)
 
     def layout(tp: int, pp: int, st: int) -> tuple[int, ...]:
         return _ddp_bucket_layout(grad_ready_elems(run.replace(tp=tp, pp=pp), st), num, den, gb, first, cap)

@@ -253,23 +253,31 @@ def mlp_width(m: ModelSpec) -> int:
 # --- fine-tuning: LoRA adapters, frozen and quantized base weights (issue 7) ---------------------------------
 
 
-def lora_layer_params(m: ModelSpec, targets: str, rank: int, tp: Num = 1, only: tuple[str, ...] | None = None) -> Num:
-    """Trainable LoRA parameters of one layer on one TP rank (Hu et al. 2021, sec. 4: W + B A with A (r x in),
-    B (out x r)). With TP the adapter follows its base matrix: for column-parallel q/k/v/gate/up, A is replicated
-    and B split by t; for row-parallel o/down, A is split by t and B replicated (NeMo / Megatron-core LoRA).
-    `only`: count the adapters of these projections alone."""
+def lora_adapters(m: ModelSpec, targets: str, rank: int, tp: Num = 1) -> list[tuple[str, Num, Num]]:
+    """(projection, elements of A, elements of B) of one layer's LoRA adapters on one TP rank, in layer order
+    (Hu et al. 2021, sec. 4: W + B A with A (r x in), B (out x r)). With TP the adapter follows its base matrix:
+    for column-parallel q/k/v/gate/up, A is replicated and B split by t; for row-parallel o/down, A is split by t
+    and B replicated (NeMo / Megatron-core LoRA)."""
     h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
     # (in features, out features, row-parallel) of each projection
     shapes = {"q": (h, a * d, False), "k": (h, g * d, False), "v": (h, g * d, False), "o": (a * d, h, True),
               "gate": (h, m.ffn, False), "up": (h, m.ffn, False), "down": (m.ffn, h, True)}
-    total = 0
+    out: list[tuple[str, Num, Num]] = []
     for p in lora_projections(targets):
-        if only is not None and p not in only:
-            continue
         if p == "gate" and m.mlp != "swiglu":
             continue  # a GELU MLP has fc ("up") and proj ("down") only
         n_in, n_out, row = shapes[p]
-        total = total + (n_in * rank // tp + rank * n_out if row else n_in * rank + rank * n_out // tp)
+        out.append((p, n_in * rank // tp, rank * n_out) if row else (p, n_in * rank, rank * n_out // tp))
+    return out
+
+
+def lora_layer_params(m: ModelSpec, targets: str, rank: int, tp: Num = 1, only: tuple[str, ...] | None = None) -> Num:
+    """Trainable LoRA parameters of one layer on one TP rank (`lora_adapters`). `only`: count the adapters of these
+    projections alone."""
+    total = 0
+    for p, a_elems, b_elems in lora_adapters(m, targets, rank, tp):
+        if only is None or p in only:
+            total = total + a_elems + b_elems
     return total
 
 
@@ -546,10 +554,11 @@ def stage_tensor_shapes(run: Run, stage: Num) -> list[tuple[Num, Num, Num]]:
 
 
 def grad_ready_listed(run: Run) -> bool:
-    """Whether `grad_ready_elems` lists the stage's tensors (categorical): dense models with standard or fused QKV
-    attention and every parameter trainable (not MoE, MLA, LoRA or --freeze)."""
+    """Whether `grad_ready_elems` lists the stage's tensors (categorical): dense models, every parameter trainable
+    (standard or fused QKV attention) or LoRA on separate projections; not MoE, MLA or --freeze."""
     t = run.training
-    return run.model.moe is None and run.model.mla is None and t.lora_rank is None and not t.freeze
+    lora_ok = t.lora_rank is None or t.qkv_impl == "separate"
+    return run.model.moe is None and run.model.mla is None and lora_ok and not t.freeze
 
 
 def grad_ready_elems(run: Run, stage: int) -> tuple[int, ...]:
@@ -557,10 +566,15 @@ def grad_ready_elems(run: Run, stage: int) -> tuple[int, ...]:
     order autograd makes their gradients ready in backward (scalar run; `grad_ready_listed` runs only). That is
     the reverse of the order the forward uses them, a linear's bias before its weight: the LM head, the final norm,
     then from the last layer down, up, gate, norm2, o, v, k, q, norm1, and the embedding last (a tied head's
-    gradient is summed into the embedding's, so it is ready there). Measured as DDP's rebuilt bucket order
+    gradient is summed into the embedding's, so it is ready there). Under LoRA only the adapters train: each
+    layer's from down to q, an adapter's B (used last) before its A. Measured as DDP's rebuilt bucket order
     (`DistributedDataParallel._get_ddp_logging_data()['rebuilt_per_bucket_param_indices']`) on the harness's model:
     docs/methodology.md, "torch DDP, bucket by bucket"."""
-    m, tp = run.model, run.tp
+    m, tp, t = run.model, run.tp, run.training
+    if t.lora_rank is not None:
+        per_layer = [x for _, a_elems, b_elems in lora_adapters(m, t.lora_targets, t.lora_rank, tp)
+                     for x in (a_elems, b_elems)]
+        return tuple(reversed(per_layer * stage_layers(m, run.pp, stage)))
     h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
 
     def linear(rows: int, cols: int, bias: bool) -> list[int]:
