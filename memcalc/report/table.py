@@ -197,7 +197,7 @@ def _render_comm_compute(est: Estimate, con: Console, units: str) -> None:
         for (op, group, link, purpose), (lo, hi, calls, sent, sec) in merged.items():
             per_call = _num(hi, units) if lo == hi else f"{_num(lo, units)}–{_num(hi, units)}"
             rows.append([op, group, per_call, f"{calls:,}", _num(sent, units), f"{sec * 1e3:,.1f}", link, purpose])
-        cols = (("collective", "left"), ("group", "left"), (f"per call {units}", "right"), ("calls", "right"),
+        cols = (("collective", "left"), ("group", "left"), (f"{units}/call", "right"), ("calls", "right"),
                 (f"sent {units}", "right"), ("ms", "right"), ("link", "left"), ("for", "left"))
         # the last column takes what the terminal leaves (at least 8 characters), the others never shrink
         fixed = sum(max(len(h), *(len(r[i]) for r in rows)) + 2 for i, (h, _) in enumerate(cols[:-1]))
