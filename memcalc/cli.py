@@ -205,6 +205,8 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "bucket_cap_mb": (Optional[float], None, _opt("--bucket-cap-mb", help="DDP gradient bucket size, MiB (default 25).", panel=_B, show_default=False)),
     "gradient_as_bucket_view": (Optional[bool], None, _opt("--gradient-as-bucket-view/--no-gradient-as-bucket-view", help="DDP grads as views of the buckets.", panel=_B, show_default=False)),
     "overlap_comm": (Optional[bool], None, _opt("--overlap-comm/--no-overlap-comm", help="DeepSpeed overlap_comm (double IPG buffers).", panel=_B, show_default=False)),
+    "overlap_grad_reduce": (Optional[bool], None, _opt("--overlap-grad-reduce/--no-overlap-grad-reduce", help="Megatron gradient reduction overlapped with backward (default on).", panel=_B, show_default=False)),
+    "overlap_param_gather": (Optional[bool], None, _opt("--overlap-param-gather/--no-overlap-param-gather", help="Megatron distributed optimizer's param all-gather overlapped with forward (default on).", panel=_B, show_default=False)),
     "contiguous_gradients": (Optional[bool], None, _opt("--contiguous-gradients/--no-contiguous-gradients", help="DeepSpeed contiguous_gradients.", panel=_B, show_default=False)),
     "reduce_bucket_size": (Optional[int], None, _opt("--reduce-bucket-size", help="DeepSpeed reduce_bucket_size, elements (default 5e8).", panel=_B, show_default=False)),
     "allreduce_bucket_size": (Optional[int], None, _opt("--allreduce-bucket-size", help="DeepSpeed ZeRO-0 allreduce bucket, elements.", panel=_B, show_default=False)),

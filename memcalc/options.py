@@ -178,6 +178,8 @@ class RunOptions:
     bucket_cap_mb: float | None = None
     gradient_as_bucket_view: bool | None = None
     overlap_comm: bool | None = None
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
     contiguous_gradients: bool | None = None
     reduce_bucket_size: int | None = None
     allreduce_bucket_size: int | None = None
@@ -215,7 +217,8 @@ class RunOptions:
     import_report: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
-BUFFER_KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "overlap_comm", "contiguous_gradients",
+BUFFER_KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "overlap_comm", "overlap_grad_reduce",
+                "overlap_param_gather", "contiguous_gradients",
                 "reduce_bucket_size", "allreduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                 "stage3_max_live_parameters", "stage3_max_reuse_distance")
 IMPORT_FIELDS = ("deepspeed_config", "megatron_args", "torchtitan_config")

@@ -255,6 +255,10 @@ class TrainingSpec(_Frozen):
     bucket_cap_mb: float | None = Field(default=None, gt=0)  # DDP bucket_cap_mb
     gradient_as_bucket_view: bool | None = None  # DDP
     overlap_comm: bool | None = None  # DeepSpeed zero_optimization.overlap_comm
+    # Megatron-LM --overlap-grad-reduce / --overlap-param-gather (None: on, memcalc's megatron profile; Megatron's
+    # own argparse default is off, which an imported launch line without the flag gets)
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
     contiguous_gradients: bool | None = None  # DeepSpeed
     reduce_bucket_size: int | None = Field(default=None, ge=1)  # DeepSpeed, elements
     allreduce_bucket_size: int | None = Field(default=None, ge=1)  # DeepSpeed ZeRO-0, elements

@@ -645,3 +645,24 @@ def test_unknown_host_link_is_said_not_timed():
     assert all(c.seconds_per_step == pytest.approx(c.calls_per_step * 5e-6)
                for c in comm.collectives(r) if c.group == "host")
     assert any("not timed" in n for n in comm.comm_notes(r))
+
+
+def test_megatron_overlap_flags_decide_what_the_step_exposes():
+    """Megatron's distributed optimizer, dp 8, tp = pp = 1: with --overlap-grad-reduce and --overlap-param-gather
+    (memcalc's default) the reduce-scatter hides in the last backward and the all-gather in the first forward but
+    for their last bucket; without them (Megatron's own argparse default, which an imported launch line without
+    the flags gets) the gradients are reduced after the last backward and the parameters gathered after the step:
+    both exposed whole, at the same bytes and time on the wire."""
+    on = make(MODEL_A, profile="megatron", dp=8, zero=1, grad_accum=4)  # ~0.5B params: 40M-parameter buckets
+    off = make(MODEL_A, profile="megatron", dp=8, zero=1, grad_accum=4, overlap_grad_reduce=False,
+               overlap_param_gather=False)
+    c_on, c_off = comm.collectives(on), comm.collectives(off)
+    assert [(c.op, c.bytes_per_step, c.seconds_per_step) for c in c_on] == [
+        (c.op, c.bytes_per_step, c.seconds_per_step) for c in c_off]
+    assert all(c.overlapped for c in c_on) and not any(c.overlapped for c in c_off)
+    assert comm.exposed_comm_seconds(off) == pytest.approx(sum(c.seconds_per_step for c in c_off))
+    assert comm.exposed_comm_seconds(on) < comm.exposed_comm_seconds(off)
+    grads_only = make(MODEL_A, profile="megatron", dp=8, zero=1, grad_accum=4, overlap_grad_reduce=False)
+    rs = pick(comm.collectives(grads_only), "reduce-scatter", "dp")
+    ag = pick(comm.collectives(grads_only), "all-gather", "dp")
+    assert not rs.overlapped and ag.overlapped and "--overlap-param-gather" in ag.note

@@ -274,7 +274,7 @@ def test_megatron_gpt3_script_is_the_equivalent_flags_and_the_gpt3_preset(tmp_pa
         profile="megatron", layers=96, hidden=12288, heads=96, kv_heads=96, ffn=4 * 12288, vocab=50257, mlp="gelu",
         norm="layernorm", positions="learned", max_positions=2048, bias=True, tied_embeddings=True, seq=2048,
         micro_batch=1, global_batch=1536, tp=8, pp=16, sp=False, zero=0, precision="fp16", dropout=0.1,
-        recompute="none", gpus=8 * 16))
+        recompute="none", gpus=8 * 16, overlap_grad_reduce=False, overlap_param_gather=False))
     assert imported == explicit
     # the custom model from the dims is GPT-3 175B exactly (Brown et al. 2020 Table 2.1 shape; presets/models)
     preset = build_run(RunOptions(model="gpt3-175b")).model
@@ -312,14 +312,16 @@ def test_megatron_llama3_string_is_the_equivalent_flags_and_llama_3_1_8b():
         profile="megatron", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, mlp="swiglu",
         norm="rmsnorm", positions="rotary", max_positions=8192, bias=False, tied_embeddings=False, seq=8192,
         dropout=0.0, precision="bf16", tp=2, pp=2, vpp=4, sp=True, cp=2, zero=1, recompute="full",
-        recompute_layers=2, micro_batch=1, global_batch=128, gpus=64))
+        recompute_layers=2, micro_batch=1, global_batch=128, gpus=64, overlap_grad_reduce=True,
+        overlap_param_gather=False))
     assert imported == explicit
     assert imported.vpp == 32 // 2 // 4 and imported.schedule == "interleaved"
     # the dims are Llama-3.1-8B's: exact parameter count 8,030,261,248 (presets/models/llama-3.1-8b.toml)
     assert total_params(imported.model) == 8_030_261_248
     r = apply_imports(RunOptions(megatron_args=LLAMA3_ARGS, gpus=64)).import_report
     assert unknown_keys(r) == set()
-    assert r.recorded["--overlap-grad-reduce"] is True
+    # Megatron's default for both overlap flags is off: the line's --overlap-grad-reduce turns one on
+    assert (imported.training.overlap_grad_reduce, imported.training.overlap_param_gather) == (True, False)
 
 
 def test_megatron_cp_exchange_and_fused_cross_entropy_are_imported():

@@ -367,6 +367,11 @@ def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
                           split.frozen_other)
     gb, pb = DTYPE_BYTES[r.grad_dtype], DTYPE_BYTES[r.param_dtype]
     one = 1 + 0 * ga  # once per step (array-shaped)
+    # Megatron `--overlap-grad-reduce` / `--overlap-param-gather` (megatron/core/distributed/
+    # distributed_data_parallel_config.py): off, the gradients are reduced in `finalize_model_grads` after the last
+    # backward and the updated parameters gathered right after the step, both exposed; memcalc's default is on
+    overlap_grads = run.training.overlap_grad_reduce is not False
+    overlap_params = run.training.overlap_param_gather is not False
     if run.dp_mode != "collective":
         return _dp_mode_terms(run, st, dense + expert, gb, pb)
     # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) gathers the low-precision copy
@@ -407,7 +412,7 @@ def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
         elif z == 0:
             # DDP all-reduce once per step; no_sync during accumulation (Megatron DDP, DeepSpeed engine
             # `allreduce_gradients` at the accumulation boundary)
-            ovl = prof == "megatron"
+            ovl = prof == "megatron" and overlap_grads
             out.append(_term(run, "all-reduce", "dp", r.grad_dtype, n, grads, one, seg,
                              window="bwd_last" if ovl else "none", tail=_tail(bucket, grads),
                              note=f"{pre}: all-reduce once per step ("
@@ -434,15 +439,16 @@ def _data_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
             # all-gather updated params; DeepSpeed stage_1_and_2.py: ZeRO-1 reduces at the accumulation boundary,
             # ZeRO-2 every micro-batch (grads are partitioned), all-gather of params after the step.
             per_mb = z == 2
-            ovl = prof == "megatron"
+            ovl = prof == "megatron" and overlap_grads
+            ovl_params = prof == "megatron" and overlap_params
             out.append(_term(run, "reduce-scatter", "dp", r.grad_dtype, n, grads, ga if per_mb else one, seg,
                              window=("bwd" if per_mb else "bwd_last") if ovl else "none",
                              tail=_tail(bucket, grads), per_mb=per_mb,
                              note=f"{pre}: reduce-scatter " + ("every micro-batch" if per_mb else "once per step")))
             out.append(_term(run, "all-gather", "dp", r.param_dtype, n, params, one, seg,
-                             window="fwd_first" if ovl else "none", tail=_tail(bucket * pb // gb, params),
+                             window="fwd_first" if ovl_params else "none", tail=_tail(bucket * pb // gb, params),
                              note=f"{label}params: all-gather of the updated shards once per step"
-                                  + (" (--overlap-param-gather)" if ovl else "")))
+                                  + (" (--overlap-param-gather)" if ovl_params else "")))
         elif per_tensor:  # torch FSDP2, ZeRO-2 or 3, counted call by call
             out += _fsdp2_terms(run, stage, n, seg, ag_dtype, unit)
         elif z == 2:  # torch FSDP2 fully_shard(reshard_after_forward=False)

@@ -89,9 +89,9 @@ _HANDLED = {
     "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--multi-latent-attention", "--q-lora-rank",
     "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--expert-tensor-parallel-size",
     "--moe-token-dispatcher-type", "--qk-layernorm", "--moe-grouped-gemm", "--moe-permute-fusion",
+    "--overlap-grad-reduce", "--overlap-param-gather",
 }
-_RECORD = {"--make-vocab-size-divisible-by", "--distribute-saved-activations", "--overlap-grad-reduce",
-           "--overlap-param-gather", "--bf16-reduction", "--use-precision-aware-optimizer", "--main-grads-dtype",
+_RECORD = {"--make-vocab-size-divisible-by", "--distribute-saved-activations", "--bf16-reduction", "--use-precision-aware-optimizer", "--main-grads-dtype",
            "--exp-avg-dtype", "--exp-avg-sq-dtype", "--fp8-recipe", "--overlap-p2p-communication",
            "--defer-embedding-wgrad-compute", "--use-torch-fsdp2", "--data-parallel-sharding-strategy",
            "--ddp-bucket-size", "--attention-backend", "--context-parallel-comm-type", "--tp-comm-overlap-cfg"}
@@ -252,6 +252,9 @@ def import_megatron(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
             default="--use-distributed-optimizer" not in args)
     if args.get("--tp-comm-overlap"):
         imp.set("tp_overlap", True)
+    # Megatron's argparse default for both is off: a launch line without them does not overlap
+    imp.set("overlap_grad_reduce", bool(args.get("--overlap-grad-reduce")))
+    imp.set("overlap_param_gather", bool(args.get("--overlap-param-gather")))
     lpv = num("--num-layers-per-virtual-pipeline-stage")
     if lpv is not None:
         def vpp_from_layers(model: Any, merged: RunOptions, imp: Imported) -> None:
