@@ -575,23 +575,23 @@ def grad_ready_elems(run: Run, stage: int) -> tuple[int, ...]:
         per_layer = [x for _, a_elems, b_elems in lora_adapters(m, t.lora_targets, t.lora_rank, tp)
                      for x in (a_elems, b_elems)]
         return tuple(reversed(per_layer * stage_layers(m, run.pp, stage)))
-    h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
+    h = m.hidden
 
-    def linear(rows: int, cols: int, bias: bool) -> list[int]:
-        return [rows * cols] + ([rows] if bias else [])
+    def linears(shapes: list[tuple[Num, Num, int]], bias: bool) -> list[int]:
+        # each matrix (rows x cols), then its bias (rows: a row-parallel o / down keeps its whole h bias)
+        return [x for rows, cols, count in shapes for _ in range(count) for x in [rows * cols] + [rows] * bias]
 
     norm = [h, h] if m.norm == "layernorm" else [h]
     rows_v = cdiv(padded_vocab(m, run.profile, tp), tp)
-    layer = list(norm)
-    if run.training.qkv_impl == "fused":  # one QKV matrix (lit-gpt)
-        layer += linear((a + 2 * g) * d // tp, h, m.qkv_bias)
-    else:
-        layer += linear(a * d // tp, h, m.qkv_bias) + 2 * linear(g * d // tp, h, m.qkv_bias)
-    layer += linear(h, a * d // tp, m.linear_bias)  # o: row-parallel, its bias replicated
+    attn = attention_matrix_shapes(m, tp)  # q; k and v; o
+    q_kv, o = attn[:2], attn[2:]
+    if t.qkv_impl == "fused":  # one QKV matrix (lit-gpt)
+        q_kv = [(sum(rows * count for rows, _, count in q_kv), h, 1)]
+    gate_up, down = mlp_matrix_shapes(m, m.ffn, tp)
+    layer = norm + linears(q_kv, m.qkv_bias) + linears(o, m.linear_bias)
     if m.block != "parallel-shared-norm":
         layer += norm
-    layer += (2 if m.mlp == "swiglu" else 1) * linear(m.ffn // tp, h, m.linear_bias)  # gate, up (or fc)
-    layer += linear(h, m.ffn // tp, m.linear_bias)  # down
+    layer += linears([gate_up], m.linear_bias) + linears([down], m.linear_bias)
     fwd: list[int] = []
     if stage == 0:
         fwd += [rows_v * h] + ([m.max_positions * h] if m.positions == "learned" else [])
@@ -599,7 +599,7 @@ def grad_ready_elems(run: Run, stage: int) -> tuple[int, ...]:
     if stage == run.pp - 1:
         fwd += norm
         if not m.tied_embeddings or run.pp > 1:
-            fwd += linear(rows_v, h, m.head_bias)
+            fwd += linears([(rows_v, h, 1)], m.head_bias)
     return tuple(reversed(fwd))
 
 

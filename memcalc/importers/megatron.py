@@ -91,7 +91,8 @@ _HANDLED = {
     "--moe-token-dispatcher-type", "--qk-layernorm", "--moe-grouped-gemm", "--moe-permute-fusion",
     "--overlap-grad-reduce", "--overlap-param-gather",
 }
-_RECORD = {"--make-vocab-size-divisible-by", "--distribute-saved-activations", "--bf16-reduction", "--use-precision-aware-optimizer", "--main-grads-dtype",
+_RECORD = {"--make-vocab-size-divisible-by", "--distribute-saved-activations", "--bf16-reduction",
+           "--use-precision-aware-optimizer", "--main-grads-dtype",
            "--exp-avg-dtype", "--exp-avg-sq-dtype", "--fp8-recipe", "--overlap-p2p-communication",
            "--defer-embedding-wgrad-compute", "--use-torch-fsdp2", "--data-parallel-sharding-strategy",
            "--ddp-bucket-size", "--attention-backend", "--context-parallel-comm-type", "--tp-comm-overlap-cfg"}
