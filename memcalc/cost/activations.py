@@ -157,7 +157,7 @@ def _op_sac_terms(run: Run) -> dict[str, Num]:
     for i, (name, n) in enumerate(zip(names, mm_out, strict=True)):
         if i % 2 == 0:  # the 1st, 3rd, ... matmul of the layer: saved
             out[f"sac_{name}_output"] = c * n
-    if run.training.attention != "eager":
+    if not eager_core(run):
         out["sac_attn_output"] = c * tok * heads * d
         out["attn_lse"] = 4 * tok * heads
     if run.sp:
@@ -326,11 +326,44 @@ def megatron_moe_forward_transient(run: Run) -> Num:
     return 4 * c * m.moe.top_k * tok * m.hidden + c * tok * m.hidden
 
 
+def eager_core(run: Run) -> bool:
+    """Whether the attention core keeps its s x s probabilities: `--attention eager`, or SDPA where no fused kernel
+    takes its inputs. Under the torch profile, fp32 Q/K/V with fewer K/V heads than query heads passed natively
+    (`enable_gqa`) have none on CUDA: FlashAttention and cuDNN need 16-bit inputs and the memory-efficient kernel
+    has no GQA (torch 2.11, aten/src/ATen/native/transformers/sdp_utils), so torch runs its math fallback
+    (`_scaled_dot_product_attention_math`), which saves what eager attention saves: Q (scaled), K and V repeated to
+    every head, the fp32 softmax output (and with dropout its mask and output). Measured on an H100: +2.1 GiB over
+    the fused kernel's figure for a 4-layer fp32 GQA model (docs/validation.md, "On a GPU", row 17)."""
+    t = run.training
+    if t.attention == "eager":
+        return True
+    m = run.model
+    return (run.profile == "torch" and _shape(run)[0] == 4 and m.kv_heads < m.heads and m.mla is None
+            and t.gqa_impl == "native" and t.qkv_impl == "separate")
+
+
+# CUDA's softmax backward (aten `_softmax_backward_data`) over rows longer than this allocates, beside the input
+# gradient, one more buffer of the output's size: read on an H100 (torch 2.11) for rows of 2048 and 4096 fp32
+# scores (512 MiB and 8 GiB beyond the new gradient, docs/validation.md "On a GPU" rows 20-21); rows of up to 1024
+# take the persistent kernel (aten/src/ATen/native/cuda/PersistentSoftmax.cuh), which writes the gradient alone
+SOFTMAX_PERSISTENT_MAX = 1024
+
+
+def softmax_backward_scratch(run: Run) -> Num:
+    """Bytes CUDA's softmax backward allocates for itself in an eager core (the torch and deepspeed profiles' fp32
+    softmax: Hugging Face's `softmax(dtype=float32)` or SDPA's math fallback): 4 S for scores rows longer than
+    SOFTMAX_PERSISTENT_MAX keys, else 0. The harness's CPU softmax allocates the same (model._CudaSoftmax)."""
+    m = run.model
+    if run.seq <= SOFTMAX_PERSISTENT_MAX:
+        return 0
+    return 4 * (m.heads // run.tp) * _shape(run)[1] * run.seq
+
+
 def _hf_softmax_copy(run: Run) -> bool:
     """Eager attention whose softmax runs in fp32 beside a compute-dtype copy of its output (Hugging Face's
     `softmax(dtype=float32).to(dtype)`, the torch and deepspeed profiles) rather than in the compute dtype (Megatron's
     fused scale-mask-softmax, saved once: Korthikanti sec. 4.1)."""
-    return run.training.attention == "eager" and run.profile != "megatron" and _shape(run)[0] != 4
+    return eager_core(run) and run.profile != "megatron" and _shape(run)[0] != 4
 
 
 def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) -> dict[str, Num]:
@@ -352,7 +385,7 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     t = run.tp
     d = m.head_dim
     heads = m.heads // t  # resolve() checks t | a and t | g
-    eager = run.training.attention == "eager"
+    eager = eager_core(run)
     dropout = run.dropout > 0
     stats = 0 if paper_terms else _fp32_norm_stats(run) * tok_sp
     # a norm saves its input (+ fp32 stats); replicated over t without SP; fp32 under autocast (_stream_bytes)
@@ -1333,14 +1366,14 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed
     d_o = terms["attn_output"]  # the output projection's input gradient: its input's size
     before = sum(x for k, x in terms.items() if k in _UP_TO_CORE)
     after = sum(terms.values()) - before  # freed by the output projection's, the MLP's and their norms' backward
-    if run.training.attention != "eager":
+    if not eager_core(run):
         # the kernel's output is the output projection's saved input (`attn_output`): still live
         moment = d_o + terms["q"] + terms["k"] + terms["v"] - (after - terms["attn_output"])
     else:
         scores = (m.heads // run.tp) * tok * run.seq
         core_but_softmax = sum(terms.get(k, 0) for k in _CORE if k != "attn_softmax")
         at_matmul = d_o + terms["v"] + c * scores - after
-        at_softmax = 8 * scores - after - core_but_softmax
+        at_softmax = 8 * scores - after - core_but_softmax + softmax_backward_scratch(run)
         if recomputed and m.kv_heads < m.heads:
             # the re-run value matmul's saved V repetition (which the caller adds) is freed by its backward
             at_softmax = at_softmax - terms["v"]
@@ -1367,7 +1400,7 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
     Derived from the op order and measured by the harness (tests/test_validate_attention.py). `_NEVER` for
     flash, Megatron (fused softmax), MLA, context parallelism."""
     m = run.model
-    if run.training.attention != "eager" or run.profile == "megatron" or m.mla is not None:
+    if not eager_core(run) or run.profile == "megatron" or m.mla is not None:
         return _NEVER
     c, tok, _, _ = _shape(run)
     heads, kv = m.heads // run.tp, m.kv_heads // run.tp
@@ -1434,7 +1467,7 @@ def megatron_attention_backward(run: Run) -> Num:
     Read in the source, not measured (no GPU here); it is the layer's highest moment only where the MLP's saved set
     is small next to these buffers (MLA's wide heads with a fine-grained MoE)."""
     m = run.model
-    if run.training.attention == "eager":
+    if eager_core(run):
         return _NEVER
     c, tok, _, _ = _shape(run)
     heads, kv = m.heads // run.tp, m.kv_heads // run.tp
@@ -1974,7 +2007,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     attn = attention_backward(run, plain)
     modelled = not off and not (isinstance(attn, int) and attn == _NEVER)
     attn_bwd = base_bwd + _layer_moment(mode, _residual_grad_bytes(run) + attn, remat) if modelled else _NEVER
-    if mode == "selective" and not off and run.training.attention == "eager":
+    if mode == "selective" and not off and eager_core(run):
         # the core comes back (its saved set, `plain`'s core terms) after the layer's MLP backward, and its backward
         # then runs as a plain layer's would (relative to the plain saved set); a plain last layer
         # (--recompute-layers) keeps its `attn` moment

@@ -406,6 +406,12 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         moment(layer_g, act.backward_layer_bytes, buf("backward_layer") + where(more, pre, 0)),
         # the first layer's attention core (its output projection's and MLP's gradients made by then)
         moment(attn_g, act.backward_attention_bytes, buf("backward_attention") + where(more, pre, 0)),
+        # ... and a later layer's: k layers' activations freed and their gradients made (linear in k like the
+        # layers' own moments); where the checkpoints are small next to a layer's gradients (full recompute of
+        # eager attention) the last layer's is the highest (docs/validation.md rows 100, 116)
+        *[moment(attn_g + where(more, k * g, 0), act.backward_attention_bytes - where(more, k * a, 0),
+                 buf("backward_attention") + where(more, buf("backward_layer_next") - k * rel, 0)
+                 + where(k < n_l - 1, pre, 0)) for k in (1, k_last)],
         # (its post-backward reshards the layer before the reduce-scatter: ZeRO-2's release)
         moment(layer_g, act.backward_post_bytes, buf("backward_post") - rel + where(more, pre, 0)),
         if_later(moment(later_g, act.backward_later_post_bytes, buf("backward_post") - rel + where(more, pre, 0))),

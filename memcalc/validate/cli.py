@@ -40,10 +40,10 @@ def render(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         lines.append(f"{r['section']:<16} {r['name']:<18} {r['predicted']:>16,} {r['measured']:>16,} "
                      f"{_fmt_err(r['error']):>9}  {r['verdict']}")
-    lines.append(f"peak: predicted {_fmt_bytes(p['peak_bytes'])} ({p['peak_phase']}), measured "
+    lines.append(f"tracked peak: predicted {_fmt_bytes(p['peak_bytes'])} ({p['peak_phase']}), measured "
                  f"{_fmt_bytes(m['peak_bytes'])} ({m['peak_phase']})")
     if p["set_aside"]:
-        lines.append("set aside (GPU-only terms, not part of an exact CPU figure): "
+        lines.append("set aside from the tracked figures (GPU-only terms, not tensor bytes): "
                      + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in p["set_aside"].items()))
     if report["collectives"]:
         lines.append(f"{'collective':<16} {'group':<6} {'pred calls':>10} {'meas calls':>10} {'pred bytes':>14} "
@@ -53,6 +53,13 @@ def render(report: dict[str, Any]) -> str:
                          f"{c['predicted_bytes']:>14,} {c['measured_bytes']:>14,} {_fmt_err(c['error']):>9}"
                          + ("  exact" if c["exact"] else ""))
         lines.append("(collective bytes: the full buffer of every call in one step, summed; not ring-scaled)")
+    cuda = report.get("cuda")
+    if cuda:
+        lines.append(f"on the GPU: max_memory_allocated {_fmt_bytes(cuda['measured_peak_bytes'])} "
+                     f"({cuda['measured_peak_phase']}) against {_fmt_bytes(cuda['predicted_peak_bytes'])} predicted "
+                     f"({cuda['predicted_peak_phase']}); max_memory_reserved "
+                     f"{_fmt_bytes(cuda['measured_reserved_bytes'])} against "
+                     f"{_fmt_bytes(cuda['predicted_reserved_bytes'])}")
     verdict = "within" if report["within_tolerance"] else "OUTSIDE"
     lines.append(f"total peak error {_fmt_err(report['error'])}: {verdict} the tolerance of "
                  f"{report['tolerance'] * 100:.1f}%")

@@ -1,16 +1,18 @@
 """Predicted (the Estimate) vs measured (the harness), per model state, per component at the peak, per phase and
 per collective. Errors are relative to the measurement: (predicted - measured) / measured.
 
-On a device other than CUDA the GPU-only terms of the prediction are set aside, each named in `set_aside`:
-fragmentation and the runtime overhead (outside the exact live-bytes figure by definition) and the cuBLAS /
-TransformerEngine workspaces (allocated by cuBLAS on a GPU; a CPU run has none).
+The tracked rows (model states, components, phases, the exact peak of live tensor bytes) are compared with the
+prediction less its GPU-only terms, each named in `set_aside`: fragmentation and the runtime overhead (outside the
+live-bytes figure by definition) and the cuBLAS / TransformerEngine workspaces (cuBLAS's own allocations, not
+tensors; a CPU run has none). On a GPU the headline compares `torch.cuda.max_memory_allocated()` with the whole
+allocated prediction, and `max_memory_reserved()` with allocated + fragmentation (`cuda_view`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: `cuda` (the GPU's counters; on a GPU the headline error is theirs)
 CATEGORIES = ("params", "master_weights", "grads", "optimizer", "activations", "buffers")
 GPU_ONLY_BUFFERS = ("cublas_workspaces", "te_cublas_workspace")
 # A point-to-point transfer is one `send/recv` of the rank that sends it (the prediction counts the bytes a GPU
@@ -39,19 +41,19 @@ def _collective_rows(colls: Any) -> list[dict[str, Any]]:
              "buffer_bytes_per_step": c.bytes_per_call * c.calls_per_step} for c in colls]
 
 
-def predicted_view(est: Any, device: str) -> dict[str, Any]:
+def predicted_view(est: Any) -> dict[str, Any]:
+    """The prediction as the tracker can see it: without the GPU-only terms (`set_aside`)."""
     mem = est.memory
     set_aside: dict[str, int] = {}
     gpu_only = 0
-    if device != "cuda":
-        for k in GPU_ONLY_BUFFERS:
-            v = int(mem.buffers_detail.get(k, 0))
-            if v:
-                set_aside[k] = v
-                gpu_only += v
-        for k in ("fragmentation", "runtime"):
-            if mem.components.get(k):
-                set_aside[k] = int(mem.components[k])
+    for k in GPU_ONLY_BUFFERS:
+        v = int(mem.buffers_detail.get(k, 0))
+        if v:
+            set_aside[k] = v
+            gpu_only += v
+    for k in ("fragmentation", "runtime"):
+        if mem.components.get(k):
+            set_aside[k] = int(mem.components[k])
     phases: dict[str, dict[str, Any]] = {}
     for ph in mem.phases:
         live = {k: int(ph.live.get(k, 0)) for k in CATEGORIES}
@@ -81,6 +83,42 @@ def predicted_view(est: Any, device: str) -> dict[str, Any]:
         "collectives": colls,
         "collectives_stage": int(est.communication.stage),
         "communication_modelled": bool(est.communication.modelled),
+    }
+
+
+def cuda_view(est: Any, meas: dict[str, Any]) -> dict[str, Any] | None:
+    """Predicted vs `torch.cuda.max_memory_allocated()` per phase and at the peak, and the predicted reserved peak
+    (allocated + fragmentation, memcalc/cost/fragmentation.py) vs `max_memory_reserved()`; None off a GPU. Each
+    measured phase's figure is the largest over the measured steps (the harness resets the peak as a phase starts).
+    The gap between the allocated figure and the tracked one is what only a GPU allocates: cuBLAS workspaces,
+    kernels' own scratch (FlashAttention's backward accumulators), the allocator's 512-byte rounding."""
+    phases_m = meas.get("cuda") or {}
+    if meas.get("device") != "cuda" or not phases_m:
+        return None
+    mem = est.memory
+    pred_ph = {ph.name: sum(int(ph.live.get(k, 0)) for k in CATEGORIES) for ph in mem.phases}
+    phases: dict[str, dict[str, Any]] = {}
+    for name, c in phases_m.items():
+        if name in pred_ph:
+            p = pred_ph[name]
+        elif name == "forward-backward":
+            p = max(pred_ph.get(n, 0) for n in ("forward", "backward"))
+        else:
+            continue
+        tracked = meas["phases"].get(name, {}).get("peak_bytes", 0)
+        phases[name] = {"predicted": p, "measured": int(c["max_allocated"]), "tracked": int(tracked),
+                        "gpu_only": int(c["max_allocated"]) - int(tracked),
+                        "measured_reserved": int(c["max_reserved"])}
+    peak_name = max(phases, key=lambda n: phases[n]["measured"])
+    return {
+        "phases": phases,
+        "predicted_peak_bytes": int(mem.allocated_peak_bytes),
+        "predicted_peak_phase": mem.peak_phase,
+        "measured_peak_bytes": phases[peak_name]["measured"],
+        "measured_peak_phase": peak_name,
+        "predicted_reserved_bytes": int(mem.reserved_peak_bytes),
+        "measured_reserved_bytes": max(c["measured_reserved"] for c in phases.values()),
+        "predicted_gpu_only_bytes": sum(int(mem.buffers_detail.get(k, 0)) for k in GPU_ONLY_BUFFERS),
     }
 
 
@@ -149,7 +187,7 @@ def compare(est: Any, meas: dict[str, Any], device: str, tolerance: float,
     """`run` (the Run behind `est`): compare the collectives of the measured rank's pipeline stage. The
     Estimate's `communication` describes the stage with the most exposed communication, which under pipelining
     need not be the measured one."""
-    pred = predicted_view(est, device)
+    pred = predicted_view(est)
     if run is not None and "stage" in meas:
         from memcalc.cost.comm import collectives
 
@@ -175,6 +213,15 @@ def compare(est: Any, meas: dict[str, Any], device: str, tolerance: float,
         row("phases", name, p, mph["peak_bytes"])
     row("total", "peak", pred["peak_bytes"], meas["peak_bytes"])
     err = rel_error(pred["peak_bytes"], meas["peak_bytes"])
+    cuda = cuda_view(est, meas)
+    if cuda is not None:
+        # on a GPU the headline is torch.cuda.max_memory_allocated against the prediction with its GPU terms
+        # (cuBLAS workspaces); the rows above stay the exact tracked bytes against the prediction without them
+        for name, c in cuda["phases"].items():
+            row("cuda_allocated", name, c["predicted"], c["measured"])
+        row("cuda_allocated", "peak", cuda["predicted_peak_bytes"], cuda["measured_peak_bytes"])
+        row("cuda_reserved", "peak", cuda["predicted_reserved_bytes"], cuda["measured_reserved_bytes"])
+        err = rel_error(cuda["predicted_peak_bytes"], cuda["measured_peak_bytes"])
     colls = compare_collectives(pred, meas, meas.get("world_size", 1))
     return {
         "schema_version": SCHEMA_VERSION,
@@ -184,6 +231,7 @@ def compare(est: Any, meas: dict[str, Any], device: str, tolerance: float,
         "measured": meas,
         "rows": rows,
         "collectives": colls,
+        "cuda": cuda,
         "error": err,
         "tolerance": tolerance,
         "within_tolerance": err is not None and abs(err) <= tolerance,

@@ -8,6 +8,7 @@ under pipelining the schedule interleaves them and the whole schedule is one pha
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Any
 
@@ -155,6 +156,10 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
     replicas = run.shard_degree  # dp x cp ranks hold the same parameters (the "dp" mesh dimension)
     fsdp = run.zero >= 2 and replicas > 1
     tracker = Tracker()
+    diag = device == "cuda" and os.environ.get("MEMCALC_CUDA_DIAG") == "1"
+    if diag:
+        tracker.ptrs = {}
+        tracker.scratch = {}
     labels: dict[str, str] = {}
     for dim in ("dp", "pp", "tp"):
         try:
@@ -314,7 +319,9 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
             return contextlib.nullcontext()
 
         def cuda_mark(name: str, start: bool) -> None:
-            if device != "cuda":
+            # torch.cuda.max_memory_allocated / max_memory_reserved per phase of the measured steps (the peak is
+            # reset when a phase starts; the reserved pool keeps what the warm-up steps reserved, as training does)
+            if device != "cuda" or not tracker.counting:
                 return
             if start:
                 torch.cuda.synchronize()
@@ -325,6 +332,19 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                 ph["max_allocated"] = max(ph["max_allocated"], torch.cuda.max_memory_allocated())
                 ph["max_reserved"] = max(ph["max_reserved"], torch.cuda.max_memory_reserved())
 
+        cuda_setup: dict[str, int] = {}
+        if device == "cuda":
+            # what building the model left in the caching allocator (the harness initialises in fp32 and casts):
+            # recorded, then returned, so that the reserved figures describe training alone
+            torch.cuda.synchronize()
+            cuda_setup = {"max_allocated": torch.cuda.max_memory_allocated(),
+                          "max_reserved": torch.cuda.max_memory_reserved(),
+                          "allocated": torch.cuda.memory_allocated()}
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        cuda_diag: dict[str, Any] = {}
+        if diag:  # from the first warm-up step on: persistent blocks get their allocating frames too
+            torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
         start_mark = 0
         grad_keys: set[int] = set()
         holds_graph = loop_holds_graph(run)
@@ -376,6 +396,10 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                                 kept_logits = out  # referenced by the loop through backward and the step
                             del out  # torchtune's recipes `del logits` before backward
                         cuda_mark("forward", False)
+                        if diag and measuring and mb == ga - 1:
+                            from memcalc.validate.measure import cuda_diagnosis
+
+                            cuda_diag["forward_end"] = cuda_diagnosis(tracker)
                         tracker.set_phase(pre + "backward")
                         cuda_mark("backward", True)
                         with loss_ctx():
@@ -395,6 +419,10 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
             optim.step()
             optim.zero_grad(set_to_none=True)
             cuda_mark("optimizer", False)
+            if diag and measuring:
+                from memcalc.validate.measure import cuda_diagnosis
+
+                cuda_diag["step_end"] = cuda_diagnosis(tracker)
             tracker.set_phase(pre + "idle")
         tracker.counting = False
 
@@ -469,5 +497,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
         "host_copies": ({way: {"calls": c // steps, "bytes": b // steps} for way, (c, b) in offload.copied.items()}
                         if offload is not None else {}),
         "cuda": cuda_phases,
+        "cuda_setup": cuda_setup,
+        "cuda_diag": cuda_diag,
         "seconds": time.perf_counter() - t0,
     }

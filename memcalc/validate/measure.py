@@ -97,6 +97,10 @@ class Tracker(TorchDispatchMode):
         self._orig_resize = None
         self._orig_propagate: Any = None
         self._paused = 0  # > 0 while DTensor propagates shapes on fake global tensors
+        self.ptrs: dict[int, int] | None = None  # storage key -> data pointer, kept for cuda_diagnosis
+        # op -> [largest bytes the op allocated beyond its new outputs, calls] (MEMCALC_CUDA_DIAG; resets the
+        # allocator's peak around every op, so a diagnosed run's per-phase CUDA figures are not measurements)
+        self.scratch: dict[str, list[int]] | None = None
 
     # -- lifecycle
     def __enter__(self) -> "Tracker":
@@ -158,6 +162,8 @@ class Tracker(TorchDispatchMode):
             uid = self._next
             self.sizes[key] = n
             self.uid[key] = uid
+            if self.ptrs is not None:
+                self.ptrs[key] = st.data_ptr()
             self.alloc_phase[uid] = self.phase
             self.events.append((uid, n))
         try:
@@ -181,6 +187,8 @@ class Tracker(TorchDispatchMode):
                 return
             n = st.nbytes()
             delta = n - self.sizes[key]
+            if self.ptrs is not None:
+                self.ptrs[key] = st.data_ptr()
             if delta:
                 self.sizes[key] = n
                 self.events.append((self.uid[key], delta))
@@ -213,7 +221,10 @@ class Tracker(TorchDispatchMode):
         ns = func.namespace
         if ns in ("c10d", "_c10d_functional") and self.counting:
             self._count(func, args, kwargs)
-        out = func(*args, **kwargs)
+        if self.ptrs is not None and self.scratch is not None:
+            out = self._call_measuring_scratch(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         if self._paused:
             return out
         for t in _tensors(out):
@@ -224,6 +235,26 @@ class Tracker(TorchDispatchMode):
                 u = self.uid_of(out)
                 if u is not None:
                     self.copy_uids.add(u)
+        return out
+
+    def _call_measuring_scratch(self, func: Any, args: Any, kwargs: Any) -> Any:
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        known = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))
+                 if type(t) in (torch.Tensor, torch.nn.Parameter)}
+        out = func(*args, **kwargs)
+        peak = torch.cuda.max_memory_allocated()
+        new = {}
+        for t in _tensors(out):
+            if type(t) is torch.Tensor and t.is_cuda:
+                st = t.untyped_storage()
+                if st._cdata not in known:
+                    new[st._cdata] = st.nbytes()
+        extra = peak - before - sum(new.values())
+        if extra > 0 and self.scratch is not None:
+            rec = self.scratch.setdefault(str(func), [0, 0])
+            rec[0] = max(rec[0], extra)
+            rec[1] += 1
         return out
 
     def _count(self, func: Any, args: Any, kwargs: Any) -> None:
@@ -330,3 +361,59 @@ def summarize_collectives(records: list[dict[str, Any]], steps: int) -> list[dic
         out.append({"op": a["op"], "group": a["group"], "dtype": a["dtype"],
                     "calls_per_step": a["calls"] // steps, "bytes_per_step": a["bytes"] // steps})
     return sorted(out, key=lambda x: (x["group"], x["op"], x["dtype"]))
+
+
+def cuda_diagnosis(tracker: Tracker, top: int = 12) -> dict[str, Any]:
+    """What the caching allocator holds now beside the tracker's view (`MEMCALC_CUDA_DIAG=1`, a development aid
+    for GPU sessions): reserved and allocated bytes per stream, and the allocated blocks that no tracked storage
+    owns (kernels' internal scratch, cuBLAS workspaces, ...), grouped by the Python frames that allocated them
+    (recorded with torch.cuda.memory._record_memory_history)."""
+    snap = torch.cuda.memory._snapshot()
+    live = {p for k, p in (tracker.ptrs or {}).items() if k in tracker.sizes}
+    streams: dict[str, dict[str, int]] = {}
+    untracked: dict[str, dict[str, Any]] = {}
+    for seg in snap["segments"]:
+        st = streams.setdefault(str(seg["stream"]), {"segments": 0, "reserved": 0, "allocated": 0,
+                                                     "largest_free": 0})
+        st["segments"] += 1
+        st["reserved"] += seg["total_size"]
+        st["allocated"] += seg["allocated_size"]
+        for b in seg["blocks"]:
+            if b["state"] != "active_allocated":
+                if b["state"] == "inactive":
+                    st["largest_free"] = max(st["largest_free"], b["size"])
+                continue
+            if b["address"] in live:
+                continue
+            frames = [f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in b.get("frames", [])
+                      if f["filename"].endswith(".py")][:6]
+            key = " < ".join(frames) or "(no python frame)"
+            u = untracked.setdefault(key, {"bytes": 0, "blocks": 0, "stream": seg["stream"]})
+            u["bytes"] += b["size"]
+            u["blocks"] += 1
+    worst = sorted(untracked.items(), key=lambda kv: -kv[1]["bytes"])[:top]
+    return {"streams": streams, "untracked_bytes": sum(u["bytes"] for u in untracked.values()),
+            "untracked": [dict(v, frames=k) for k, v in worst], "peak": _trace_peak(snap, top),
+            "op_scratch": sorted(([k, v[0], v[1]] for k, v in (tracker.scratch or {}).items()),
+                                 key=lambda r: -r[1])[:top]}
+
+
+def _trace_peak(snap: dict[str, Any], top: int) -> dict[str, Any]:
+    """The largest allocated moment of the recorded allocator trace and the blocks live then, the largest first,
+    each with its allocating Python frames."""
+    live: dict[int, tuple[int, str]] = {}
+    total = best = 0
+    best_live: dict[int, tuple[int, str]] = {}
+    for tr in snap.get("device_traces", []):
+        for ev in tr:
+            if ev["action"] == "alloc":
+                fr = [f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in ev.get("frames", [])
+                      if f["filename"].endswith(".py")][:8]
+                live[ev["addr"]] = (ev["size"], " < ".join(fr))
+                total += ev["size"]
+                if total > best:
+                    best, best_live = total, dict(live)
+            elif ev["action"] == "free_completed" and ev["addr"] in live:
+                total -= live.pop(ev["addr"])[0]
+    blocks = sorted(best_live.values(), key=lambda b: -b[0])[:top]
+    return {"allocated_in_trace": best, "blocks": [{"bytes": b, "frames": f} for b, f in blocks]}

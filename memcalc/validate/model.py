@@ -79,6 +79,8 @@ class RMSNorm(nn.RMSNorm):
         self.untracked: Any = contextlib.nullcontext  # the harness sets its tracker's pause
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # the real kernel: its allocations are what max_memory_allocated sees
+            return super().forward(x)
         return _FusedRMSNorm.apply(x, self.weight, self.eps, self.untracked)
 
 
@@ -158,6 +160,53 @@ def _ulysses_exchange(x: torch.Tensor, group: Any, to_heads: bool) -> torch.Tens
     return recv.permute(1, 2, 0, 3, 4).contiguous().reshape(b, s // n, n * heads, d)
 
 
+class _CudaSoftmax(torch.autograd.Function):
+    """Softmax over the last dimension, saving its output, whose backward allocates what CUDA's does: for rows
+    longer than 1024 (memcalc/cost/activations.py SOFTMAX_PERSISTENT_MAX) `_softmax_backward_data` allocates one
+    more output-sized buffer beside the gradient (measured on an H100); the CPU kernel does not, so here the buffer
+    is allocated beside it. On CUDA the harness runs torch's own softmax."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = torch.softmax(x, dim=-1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        scratch = torch.empty_like(y) if y.shape[-1] > 1024 else None
+        gi = torch._softmax_backward_data(g, y, -1, y.dtype)
+        del scratch
+        return gi
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x, dim=-1) if x.is_cuda else _CudaSoftmax.apply(x)
+
+
+def _sdpa_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    """Causal SDPA with enable_gqa as CUDA runs it for fp32 inputs: no fused kernel takes them (memcalc/cost/
+    activations.py `eager_core`), so torch runs `_scaled_dot_product_attention_math`. The same ops in its order
+    (scaled Q, the float causal mask, K and V repeated to every head, K^T scaled, scores + mask, softmax, dropout
+    as CUDA's native_dropout, the value matmul), so that a CPU run allocates and saves what the GPU does; the CPU's
+    own SDPA would take its flash kernel, which accepts fp32 GQA."""
+    s, rep = q.shape[-2], q.shape[1] // k.shape[1]
+    sf = math.sqrt(1.0 / math.sqrt(q.shape[-1]))
+    qs = q * sf
+    ones = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    mask = torch.where(ones, torch.tensor(0.0, device=q.device), torch.tensor(float("-inf"), device=q.device))
+    del ones
+    kr = k.repeat_interleave(rep, dim=1)  # held to the end, as the C++ function's local key_acc is
+    vr = v.repeat_interleave(rep, dim=1)
+    attn = torch.matmul(qs, kr.transpose(-2, -1) * sf)
+    attn = attn + mask  # out of place under a dispatch mode (the harness's tracker), as the C++ code does then
+    attn = softmax(attn)
+    if p:
+        attn = cuda_dropout(attn, p)
+    return torch.matmul(attn, vr)
+
+
 class Attention(nn.Module):
     def __init__(self, m: ModelSpec, kernel: str, dropout: float, selective: bool, qkv_impl: str = "separate",
                  gqa_impl: str = "native"):
@@ -193,6 +242,8 @@ class Attention(nn.Module):
         p = self.dropout if self.training else 0.0
         if self.kernel == "flash":
             gqa = k.shape[1] != q.shape[1]  # fused QKV / --gqa-impl expand have expanded K/V already
+            if gqa and q.dtype == torch.float32 and not q.is_cuda:
+                return _sdpa_math(q, k, v, p)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(self.rep, dim=1)
@@ -202,7 +253,7 @@ class Attention(nn.Module):
         # an additive causal bias (HF's eager path; Megatron's fused kernel masks in place): the add saves nothing,
         # where masked_fill would save a mask per layer
         scores = scores + torch.full((s, s), float("-inf"), dtype=scores.dtype, device=q.device).triu(1)
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        probs = softmax(scores.float()).to(q.dtype)
         if p:
             probs = cuda_dropout(probs, p)
         return torch.matmul(probs, v)

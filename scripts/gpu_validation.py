@@ -1,0 +1,372 @@
+"""`memcalc validate --device cuda` over real-size configurations on one GPU, and the CUDA section of
+docs/validation.md.
+
+    python scripts/gpu_validation.py --json $OUT/cuda.json --budget 300      # on a machine with a GPU
+    python scripts/gpu_validation.py --from-json docs/data/validation-cuda.json   # print the markdown section
+
+Each configuration runs 2 warm-up steps and 1 measured step in the harness (memcalc/validate) on CUDA: one real
+rank for single-GPU runs, or one rank of a fake process group of the full world (real CUDA tensors, collectives
+that move nothing) for a multi-GPU layout. Per phase it records `torch.cuda.max_memory_allocated()` (the peak is
+reset as the phase starts) and `max_memory_reserved()`, beside the harness's exact tracked tensor bytes; the
+prediction is `memcalc estimate` for the same run, GPU terms included (cuBLAS workspaces; fragmentation for the
+reserved figure). A probe first records the facts of this GPU and torch build that the cost model assumes.
+
+The JSON written on the GPU machine is kept as docs/data/validation-cuda.json; scripts/validation_matrix.py renders
+it into docs/validation.md (`cuda_section`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from memcalc.cost.fragmentation import EXPANDABLE_SEGMENTS_FRACTION as EXPANDABLE_FRACTION  # noqa: E402
+from memcalc.validate.compare import CATEGORIES  # noqa: E402
+RECORD = ROOT / "docs" / "data" / "validation-cuda.json"
+
+# torchtune's LoRA tutorial recipe (tests/test_published_finetune.py TT7), with grad-accum 2 instead of 64: the
+# peak is a micro-batch's, the figure the same, the run 32 times shorter
+TT7 = dict(model="llama-2-7b", precision="bf16", master_weights=False, optimizer="adamw", gpu="h100-sxm", seq=512,
+           micro_batch=2, recompute="full", loss="full", norm_impl="fp32", grad_accum=2, lora_dropout=0.05,
+           keep_logits="fp32")
+# lit-gpt finetune/lora.py on Alpaca's longest sample (tests/test_published_finetune.py LIT)
+LIT = dict(precision="bf16", master_weights=False, optimizer="adamw", lora_rank=8, lora_targets="qv",
+           lora_dropout=0.05, norm_impl="fp32", qkv_impl="fused", gpu="h100-sxm", seq=1304, loss="lit-gpt",
+           recompute="none", keep_logits="fp32", peak_step="first")
+# torchtune's llama3_2/3B_full_single_device recipe (tests/test_published_finetune.py TT3)
+TT3 = dict(model="llama-3.2-3b", precision="bf16", master_weights=False, optimizer="adamw", gpu="h100-sxm", seq=4096,
+           micro_batch=2, norm_impl="fp32", gqa_impl="expand")
+# a Llama-shaped 4-layer model, wide enough that allocator rounding is noise
+MID = dict(layers=4, hidden=2048, heads=16, kv_heads=8, ffn=5632, vocab=32000, seq=2048, micro_batch=2,
+           gpu="h100-sxm")
+
+
+def configurations() -> list[tuple[str, dict[str, Any], str, str | None]]:
+    """(label, RunOptions kwargs, world, published case it reproduces or None), most telling first: the script
+    stops starting new ones when its budget runs out."""
+    return [
+        ("torchtune Llama-2-7B LoRA r=8 q,v, bf16, full AC, mb 2 x seq 512", dict(TT7, lora_rank=8, lora_targets="qv"),
+         "real", "torchtune-llama2-7b-lora-qv-r8"),
+        ("Llama-2-7B FSDP2 ZeRO-3 bf16 mixed precision, 8 GPUs, seq 4096, full AC",
+         dict(model="llama-2-7b", gpus=8, zero=3, precision="bf16", seq=4096, recompute="full", gpu="h100-sxm"),
+         "fake", None),
+        ("lit-gpt Llama-2-7B LoRA r=8 q,v, bf16, mb 1 x seq 1304", dict(LIT, model="llama-2-7b", micro_batch=1),
+         "real", "litgpt-llama2-7b-lora-mb1"),
+        ("4-layer h2048 GQA, single GPU, bf16 AMP (fp32 params, autocast)", dict(MID, precision="bf16"), "real", None),
+        ("4-layer h2048 GQA, single GPU, pure bf16", dict(MID, precision="bf16", master_weights=False), "real", None),
+        ("4-layer h2048 GQA, single GPU, bf16 AMP, selective recompute", dict(MID, precision="bf16",
+                                                                                recompute="selective"), "real", None),
+        ("4-layer h2048 GQA, single GPU, pure bf16, eager attention + dropout 0.1",
+         dict(MID, precision="bf16", master_weights=False, attention="eager", dropout=0.1), "real", None),
+        ("Llama-2-7B TP 4 + SP, bf16 AMP, seq 4096", dict(model="llama-2-7b", gpus=4, tp=4, sp=True, precision="bf16",
+                                                        seq=4096, gpu="h100-sxm"), "fake", None),
+        ("4-layer h2048 GQA, DDP bf16 AMP, 8 GPUs", dict(MID, precision="bf16", gpus=8), "fake", None),
+        ("4-layer h2048 GQA, ZeRO-1 bf16 AMP, 8 GPUs", dict(MID, precision="bf16", gpus=8, zero=1), "fake", None),
+        ("torchtune Llama-3.2-3B full fine-tune, pure bf16, mb 2 x seq 4096", dict(TT3, recompute="none", loss="full"),
+         "real", "torchtune-llama3.2-3b-full-packed"),
+        ("Llama-2-7B FSDP2 ZeRO-2 bf16 mixed precision, 8 GPUs, seq 2048",
+         dict(model="llama-2-7b", gpus=8, zero=2, precision="bf16", seq=2048, gpu="h100-sxm"), "fake", None),
+        ("Llama-2-7B FSDP2 ZeRO-3 x TP 2 + SP, 16 GPUs, seq 4096, full AC",
+         dict(model="llama-2-7b", gpus=16, tp=2, sp=True, zero=3, precision="bf16", seq=4096, recompute="full",
+              gpu="h100-sxm"), "fake", None),
+        ("Llama-3.1-8B FSDP2 ZeRO-3, 8 GPUs, seq 8192, full AC (128k vocabulary)",
+         dict(model="llama-3.1-8b", gpus=8, zero=3, precision="bf16", seq=8192, recompute="full",
+              gpu="h100-sxm"), "fake", None),
+        ("GPT-2 XL, bf16 AMP, eager attention + dropout 0.1, mb 2 x seq 1024",
+         dict(model="gpt2-xl", precision="bf16", attention="eager", dropout=0.1, micro_batch=2, seq=1024,
+              gpu="h100-sxm"), "real", None),
+        ("4-layer h2048 MHA, single GPU, fp32", dict(MID, kv_heads=16, precision="fp32"), "real", None),
+        ("4-layer h2048 GQA, single GPU, fp32", dict(MID, precision="fp32"), "real", None),
+        ("4-layer h2048 GQA, 8 experts top-2, single GPU, bf16 AMP",
+         dict(MID, experts=8, top_k=2, expert_ffn=1408, precision="bf16"), "real", None),
+        ("4-layer h2048 GQA, pure bf16, full recompute, activation offloading",
+         dict(MID, precision="bf16", master_weights=False, recompute="full", offload_activations=True),
+         "real", None),
+        # a lower layer's attention backward under full recompute (timeline: a later layer's attention core)
+        ("Llama-3.2-1B, pure bf16, eager attention, full recompute, mb 4 x seq 4096",
+         dict(model="llama-3.2-1b", precision="bf16", master_weights=False, attention="eager", recompute="full",
+              micro_batch=4, seq=4096, gpu="h100-sxm"), "real", None),
+        ("4-layer h2048 GQA, single GPU, fp32, full recompute", dict(MID, precision="fp32", recompute="full"),
+         "real", None),
+    ]
+
+
+def probe() -> dict[str, Any]:
+    """The facts of this GPU and torch build that the cost model assumes (memcalc/cost/buffers.py workspaces,
+    activations.py kernels)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                           "device": torch.cuda.get_device_name(0),
+                           "capability": list(torch.cuda.get_device_capability(0)),
+                           "total_memory_bytes": torch.cuda.get_device_properties(0).total_memory}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.names.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    def alloc() -> int:
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    try:
+        bf = torch.bfloat16
+        # the first matmul on this thread allocates its cuBLAS workspace through the caching allocator
+        a = torch.randn(1024, 1024, device="cuda", dtype=bf)
+        m0 = alloc()
+        c = a @ a
+        out["cublas_workspace_first_matmul_bytes"] = alloc() - m0 - c.nbytes
+        del c
+        # a backward matmul runs on autograd's device thread: a second workspace
+        w = torch.randn(1024, 1024, device="cuda", dtype=bf, requires_grad=True)
+        y = (a @ w).sum()
+        m1 = alloc()
+        y.backward()
+        out["cublas_workspace_backward_thread_bytes"] = alloc() - m1 - w.grad.nbytes
+        del w, y
+        # RMSNorm on CUDA: which aten ops nn.RMSNorm runs, and what it saves
+        x = torch.randn(2, 1024, 4096, device="cuda", dtype=bf, requires_grad=True)
+        g = torch.ones(4096, device="cuda", dtype=bf, requires_grad=True)
+        saved: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.nbytes), t)[1], lambda t: t):
+            with Ops() as o:
+                r = F.rms_norm(x, (4096,), g, 1e-6)
+        out["rms_norm_ops"] = o.names
+        out["rms_norm_saved_bytes"] = saved
+        with Ops() as o:
+            r.sum().backward()
+        out["rms_norm_backward_ops"] = o.names
+        del x, g, r
+        # SDPA, bf16, causal, GQA (32 query heads, 8 KV heads): the backend, what it saves, the backward's scratch
+        b, s, hq, hk, d = 1, 4096, 32, 8, 128
+        q = torch.randn(b, hq, s, d, device="cuda", dtype=bf, requires_grad=True)
+        k = torch.randn(b, hk, s, d, device="cuda", dtype=bf, requires_grad=True)
+        v = torch.randn(b, hk, s, d, device="cuda", dtype=bf, requires_grad=True)
+        for gqa in (False, True):
+            kk, vv = (k, v) if gqa else (k.repeat_interleave(4, 1).detach().requires_grad_(),
+                                         v.repeat_interleave(4, 1).detach().requires_grad_())
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append((t.nbytes, str(t.dtype),
+                                                                                   list(t.shape))), t)[1],
+                                                          lambda t: t):
+                with Ops() as o:
+                    y = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa)
+            key = "sdpa_gqa" if gqa else "sdpa_mha"
+            out[key + "_ops"] = o.names
+            out[key + "_saved"] = saved
+            gy = torch.randn_like(y)
+            base = alloc()
+            torch.cuda.reset_peak_memory_stats()
+            y.backward(gy)
+            torch.cuda.synchronize()
+            grads = q.grad.nbytes + kk.grad.nbytes + vv.grad.nbytes
+            # above the inputs' gradients and what was live before: the kernel's own scratch
+            out[key + "_backward_scratch_bytes"] = torch.cuda.max_memory_allocated() - base - grads
+            q.grad = None
+            del y, gy, kk, vv
+            k.grad = v.grad = None
+        # cross-entropy under CUDA autocast: the dtype it computes in
+        logits = torch.randn(2048, 32000, device="cuda", dtype=torch.float32, requires_grad=True)
+        h = torch.randn(2048, 32000, device="cuda", dtype=bf)
+        with torch.autocast("cuda", dtype=bf):
+            mm = logits.to(bf) * h
+            out["autocast_cross_entropy_dtype"] = str(F.cross_entropy(mm, torch.zeros(2048, dtype=torch.long,
+                                                                                        device="cuda")).dtype)
+        del logits, h, mm
+    except Exception as e:  # noqa: BLE001 - the probe is evidence, not a gate
+        out["probe_error"] = f"{type(e).__name__}: {e}"
+    torch.cuda.empty_cache()
+    return out
+
+
+def _entry(label: str, opts: dict[str, Any], world: str, case: str | None, timeout: float) -> dict[str, Any]:
+    from memcalc.options import RunOptions, build_run
+    from memcalc.validate.api import validate
+
+    e: dict[str, Any] = {"label": label, "opts": opts, "world": world, "published_case": case}
+    t0 = time.perf_counter()
+    try:
+        run = build_run(RunOptions(**opts))
+        e["report"] = validate(run, device="cuda", world=world, tolerance=0.03, timeout=timeout)
+    except Exception as ex:  # noqa: BLE001 - a failed row is a result
+        e["failure"] = f"{type(ex).__name__}: {str(ex).strip()[:2000]}"
+        e["traceback"] = traceback.format_exc(limit=6)
+    e["seconds"] = round(time.perf_counter() - t0, 1)
+    return e
+
+
+def run_all(path: Path, budget_s: float, timeout: float, only: list[int] | None, expandable: bool) -> None:
+    t_all = time.perf_counter()
+    data: dict[str, Any] = {"probe": probe(), "results": [], "expandable_segments": expandable}
+    path.write_text(json.dumps(data, indent=1, default=str))
+    print(json.dumps(data["probe"], default=str)[:3000], flush=True)
+    for i, (label, opts, world, case) in enumerate(configurations(), 1):
+        if only and i not in only:
+            continue
+        left = budget_s - (time.perf_counter() - t_all)
+        if left < 20:
+            data["results"].append({"label": label, "opts": opts, "world": world, "published_case": case,
+                                    "failure": "not run: the device budget ran out", "seconds": 0})
+            continue
+        if expandable:  # memcalc's figure for expandable segments (memcalc/cost/fragmentation.py)
+            opts = dict(opts, fragmentation=EXPANDABLE_FRACTION)
+        e = _entry(label, opts, world, case, min(timeout, left))
+        e["id"] = i
+        data["results"].append(e)
+        rep = e.get("report")
+        if rep:
+            c = rep.get("cuda") or {}
+            print(f"[{i:2d}] {label[:70]:<70} {e['seconds']:6.1f}s alloc {c.get('measured_peak_bytes', 0) / 2**30:7.3f}"
+                  f" GiB pred {c.get('predicted_peak_bytes', 0) / 2**30:7.3f} err {rep['error'] * 100:+.2f}% | "
+                  f"reserved {c.get('measured_reserved_bytes', 0) / 2**30:7.3f} pred "
+                  f"{c.get('predicted_reserved_bytes', 0) / 2**30:7.3f} | tracked err "
+                  f"{_tracked_error(rep) * 100:+.2f}%", flush=True)
+        else:
+            print(f"[{i:2d}] {label[:70]:<70} {e['seconds']:6.1f}s FAILED {e['failure'][:400]}", flush=True)
+        data["seconds"] = round(time.perf_counter() - t_all, 1)
+        path.write_text(json.dumps(data, indent=1, default=str))
+
+
+def _tracked_error(rep: dict[str, Any]) -> float:
+    p, m = rep["predicted"]["peak_bytes"], rep["measured"]["peak_bytes"]
+    return (p - m) / m if m else 0.0
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f}"
+
+
+def _pct(p: int, m: int) -> str:
+    return f"{(p - m) / m * 100:+.2f}%" if m else "n/a"
+
+
+def predict(opts: dict[str, Any], expandable: bool = False) -> dict[str, Any]:
+    """memcalc's figures for a recorded configuration, from the current cost model (the measured rank's stage)."""
+    from memcalc.cost.estimate import estimate
+    from memcalc.options import RunOptions, build_run
+
+    if expandable:
+        opts = dict(opts, fragmentation=EXPANDABLE_FRACTION)
+    mem = estimate(build_run(RunOptions(**opts)), advice=False).memory
+    phases = {ph.name: sum(int(v) for k, v in ph.live.items() if k in CATEGORIES) for ph in mem.phases}
+    return {"allocated": int(mem.allocated_peak_bytes), "phase": mem.peak_phase,
+            "reserved": int(mem.reserved_peak_bytes), "phases": phases}
+
+
+def measured(e: dict[str, Any]) -> dict[str, Any] | None:
+    """The GPU's figures of a recorded row (None where it failed)."""
+    c = (e.get("report") or {}).get("cuda")
+    if not c:
+        return None
+    return {"allocated": c["measured_peak_bytes"], "phase": c["measured_peak_phase"],
+            "reserved": c["measured_reserved_bytes"],
+            "gpu_only": c["phases"][c["measured_peak_phase"]]["gpu_only"],
+            "tracked": e["report"]["measured"]["peak_bytes"]}
+
+
+def _table(data: dict[str, Any], expandable: bool) -> list[str]:
+    out = ["| # | configuration | world | allocated (GiB) | memcalc | error | reserved (GiB) | memcalc | error "
+           "| GPU-only (MiB) | s |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for e in data["results"]:
+        m = measured(e)
+        if m is None:
+            out.append(f"| {e.get('id', '')} | {e['label']} | {e['world']} | failed: "
+                       f"{e.get('failure', '?').splitlines()[0][:200]} | | | | | | | |")
+            continue
+        p = predict(e["opts"], expandable)
+        label = e["label"] + (" (a later run)" if e.get("note") else "")
+        out.append(f"| {e.get('id', '')} | {label} | {e['world']} | {_gib(m['allocated'])} ({m['phase']}) | "
+                   f"{_gib(p['allocated'])} ({p['phase']}) | {_pct(p['allocated'], m['allocated'])} | "
+                   f"{_gib(m['reserved'])} | {_gib(p['reserved'])} | {_pct(p['reserved'], m['reserved'])} | "
+                   f"{m['gpu_only'] / 2**20:.1f} | {e['seconds']:.0f} |")
+    return out
+
+
+def cuda_section(data: dict[str, Any], expandable: dict[str, Any] | None = None) -> list[str]:
+    """Markdown for docs/validation.md: the recorded GPU measurements against memcalc's current figures."""
+    pr = data["probe"]
+    out = ["## On a GPU (CUDA)", "",
+           f"Measured by `scripts/gpu_validation.py` on one {pr.get('device', '?')} (torch {pr.get('torch', '?')}, "
+           f"CUDA {pr.get('cuda', '?')}) and recorded in docs/data/validation-cuda.json (default caching allocator) "
+           "and docs/data/validation-cuda-expandable.json (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`); "
+           "memcalc's figures are recomputed from the current cost model when this page is generated, and "
+           "tests/test_cuda_record.py holds them to the record. Each row is `memcalc validate --device cuda`: "
+           "2 warm-up steps and 1 measured step; a multi-GPU layout is one rank of a fake process group of the full "
+           "world (real CUDA tensors; the collectives move nothing). The harness empties the allocator's cache after "
+           "building the model (it initialises in fp32 and casts), so that the reserved figures are training's.",
+           "",
+           "- `allocated`: `torch.cuda.max_memory_allocated()` (the largest over the measured step's phases) against "
+           "memcalc's allocated peak, cuBLAS workspaces included.",
+           "- `reserved`: `torch.cuda.max_memory_reserved()` against allocated + fragmentation "
+           "(memcalc/cost/fragmentation.py).",
+           "- `GPU-only`: allocated minus the harness's exact tracked tensor bytes in the measured peak phase: the two "
+           "cuBLAS workspaces (64 MiB) and what kernels allocate for themselves.", ""]
+    out += _table(data, False)
+    if expandable:
+        out += ["", "With `expandable_segments:True` (memcalc `--fragmentation 0.02`, its documented figure for it):",
+                ""]
+        out += _table(expandable, True)
+    out += ["", "Facts read on this GPU by the script's probe (memcalc/cost uses each):", ""]
+    for k in ("cublas_workspace_first_matmul_bytes", "cublas_workspace_backward_thread_bytes", "rms_norm_ops",
+              "rms_norm_saved_bytes", "sdpa_mha_ops", "sdpa_mha_saved", "sdpa_mha_backward_scratch_bytes",
+              "sdpa_gqa_ops", "sdpa_gqa_backward_scratch_bytes", "autocast_cross_entropy_dtype", "probe_error"):
+        if k in pr:
+            out.append(f"- `{k}`: {pr[k]}")
+    return out
+
+
+def record_section() -> list[str]:
+    """The section from the committed records (empty when there is none)."""
+    if not RECORD.exists():
+        return []
+    exp = RECORD.with_name("validation-cuda-expandable.json")
+    return cuda_section(json.loads(RECORD.read_text()), json.loads(exp.read_text()) if exp.exists() else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None, help="write the run's record here (as it goes)")
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds; no configuration starts after")
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds allowed per configuration")
+    ap.add_argument("--only", default=None, help="comma-separated configuration numbers (1-based)")
+    ap.add_argument("--expandable", action="store_true", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
+                    "and memcalc's fragmentation for it")
+    ap.add_argument("--diag", action="store_true", help="MEMCALC_CUDA_DIAG=1: each report's measurement gains "
+                    "`cuda_diag` (bytes per stream, untracked blocks by allocating frames; measure.cuda_diagnosis)")
+    ap.add_argument("--from-json", default=None, help="print the markdown section of a record")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        print("\n".join(cuda_section(json.loads(Path(args.from_json).read_text()))))
+        return 0
+    if args.diag:
+        os.environ["MEMCALC_CUDA_DIAG"] = "1"
+    if args.expandable:
+        # before CUDA starts here and in the workers (the forkserver inherits this environment)
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device here: run this on a machine with a GPU", file=sys.stderr)
+        return 2
+    run_all(Path(args.json or "validation-cuda.json"), args.budget, args.timeout,
+            [int(x) for x in args.only.split(",")] if args.only else None, args.expandable)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

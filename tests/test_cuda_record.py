@@ -1,0 +1,163 @@
+"""memcalc against real GPU measurements, without a GPU: the records `scripts/gpu_validation.py` wrote on one
+NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130) -- docs/data/validation-cuda.json with the default caching allocator,
+docs/data/validation-cuda-expandable.json with `expandable_segments:True`. Each recorded row is a real
+`memcalc validate --device cuda` run (2 warm-up steps, 1 measured step); memcalc's figures are recomputed here
+from the current cost model, so a change that moves a prediction away from the GPU fails. docs/validation.md
+("On a GPU") shows the same table."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_validation as gv  # noqa: E402
+
+from memcalc.cost import activations, buffers  # noqa: E402
+from memcalc.options import RunOptions, build_run  # noqa: E402
+
+DEFAULT = json.loads((ROOT / "docs/data/validation-cuda.json").read_text())
+EXPANDABLE = json.loads((ROOT / "docs/data/validation-cuda-expandable.json").read_text())
+
+# rows whose allocated peak memcalc misses by more than 1%, with the measured reason
+ALLOCATED_MISSES = {
+    18: "-2.7%: Hugging Face's MoE block on CUDA allocates 260-340 MiB that no tensor owns (kernels' own scratch "
+        "in the routing / expert dispatch ops; the tracked tensor bytes agree with memcalc to +0.01%)",
+}
+# (row, phase) pairs memcalc misses by more than 1% where the row's peak is within it
+PHASE_MISSES = {
+    (21, "forward"): "-3.0% (158 MiB): SDPA's math fallback runs `_safe_softmax`, which on CUDA allocates a bool "
+                     "mask of the scores (128 MiB here, read per op with MEMCALC_CUDA_DIAG) and ~30 MiB more, "
+                     "not modelled; the row's peak is a backward moment",
+}
+# default caching allocator: rows whose reserved figure memcalc (allocated + the documented fragmentation) misses
+# by more than 7%; `--fragmentation` overrides the fraction, and expandable segments bring every one of the rows
+# recorded with them within 1.5%
+RESERVED_MISSES = {
+    2: "-24%: FSDP2 ZeRO-3 over 8 ranks; the side streams' pools are as modelled (all-gather 954 MiB, reduce-scatter "
+       "3,262 MiB measured) but the compute stream reserves 19.05 GiB for a ~12.6 GiB peak (unsharded layers, "
+       "fp32 reduce-scatter inputs and recomputed activations carve its segments)",
+    8: "-18%: TP 4 + SP, one stream: 40.4 GiB reserved for a 32.4 GiB peak (sequence-sharded and gathered "
+       "activations of two sizes carve the segments)",
+    17: "-11%: fp32 GQA through SDPA's math fallback: its s x s fp32 probabilities carve the segments",
+    18: "-13%: MoE: per-expert token batches of varying sizes",
+    19: "-22%: activation offloading: 4.77 GiB reserved for a 3.36 GiB peak (reloaded blocks of every size)",
+    21: "-19%: fp32 GQA through SDPA's math fallback under full recompute: recomputed s x s blocks and the softmax "
+        "backward's scratch carve the segments",
+}
+
+
+def _rows(data, misses):
+    out = []
+    for e in data["results"]:
+        if "report" not in e:
+            continue
+        marks = [pytest.mark.xfail(reason=misses[e["id"]], strict=True)] if e["id"] in misses else []
+        out.append(pytest.param(e, id=f"row{e['id']}", marks=marks))
+    return out
+
+
+def _err(p: int, m: int) -> float:
+    return (p - m) / m
+
+
+def test_every_recorded_row_ran_on_the_h100():
+    assert DEFAULT["probe"]["device"] == EXPANDABLE["probe"]["device"] == "NVIDIA H100 80GB HBM3"
+    assert [e["id"] for e in DEFAULT["results"]] == list(range(1, 22))
+    assert all("report" in e for e in DEFAULT["results"] + EXPANDABLE["results"])
+    # the labels and configurations are the script's own (a record of what it runs now)
+    confs = gv.configurations()
+    for e in DEFAULT["results"]:
+        assert (e["label"], e["opts"], e["world"]) == confs[e["id"] - 1][:3]
+
+
+@pytest.mark.parametrize("e", _rows(DEFAULT, ALLOCATED_MISSES))
+def test_allocated_peak_within_1pct_of_max_memory_allocated(e):
+    """`torch.cuda.max_memory_allocated()` of the measured step against memcalc's allocated peak (cuBLAS
+    workspaces included), overall and phase by phase (the peak is reset as each phase starts)."""
+    m, p = gv.measured(e), gv.predict(e["opts"])
+    assert abs(_err(p["allocated"], m["allocated"])) <= 0.01, (p["allocated"], m["allocated"])
+    for name, ph in e["report"]["cuda"]["phases"].items():
+        err = _err(p["phases"][name], ph["measured"])
+        if (e["id"], name) in PHASE_MISSES:
+            assert -0.035 < err < -0.01, err  # still the recorded miss
+            continue
+        assert abs(err) <= 0.01, (name, p["phases"][name], ph["measured"])
+
+
+@pytest.mark.parametrize("e", _rows(EXPANDABLE, {}))
+def test_expandable_segments_reserved_within_1_5pct(e):
+    """With expandable segments memcalc's 2% fraction (fragmentation.EXPANDABLE_SEGMENTS_FRACTION) puts the
+    reserved figure within 1.5% of `max_memory_reserved()`, FSDP2's side-stream pools included (rows 2, 14)."""
+    m, p = gv.measured(e), gv.predict(e["opts"], expandable=True)
+    assert abs(_err(p["allocated"], m["allocated"])) <= 0.01
+    assert abs(_err(p["reserved"], m["reserved"])) <= 0.015, (p["reserved"], m["reserved"])
+
+
+@pytest.mark.parametrize("e", _rows(DEFAULT, RESERVED_MISSES))
+def test_default_allocator_reserved_within_7pct(e):
+    """The default caching allocator: the documented 3% fraction plus the stranded logits block and FSDP2's
+    side-stream pools (memcalc/cost/fragmentation.py) against `max_memory_reserved()`. The rows in
+    RESERVED_MISSES are further off; each is a strict xfail with its measured cause."""
+    m, p = gv.measured(e), gv.predict(e["opts"])
+    assert abs(_err(p["reserved"], m["reserved"])) <= 0.07, (p["reserved"], m["reserved"])
+
+
+def test_the_gpu_only_bytes_are_the_two_cublas_workspaces():
+    """The probe read one 32 MiB cuBLAS workspace for the first matmul on the Python thread and one more for the
+    first on autograd's backward thread: memcalc's `cublas_workspaces` (buffers.CUBLAS_WORKSPACE_BYTES, two of
+    them). Where no kernel allocates for itself, the allocated peak minus the tracked tensor bytes is exactly
+    those 64 MiB (rows 4, 6, 9, 11)."""
+    pr = DEFAULT["probe"]
+    assert pr["cublas_workspace_first_matmul_bytes"] == pr["cublas_workspace_backward_thread_bytes"]
+    assert pr["cublas_workspace_first_matmul_bytes"] == buffers.CUBLAS_WORKSPACE_BYTES == 32 * 2**20
+    for e in DEFAULT["results"]:
+        if e["id"] in (4, 6, 9, 11):
+            gpu_only = gv.measured(e)["gpu_only"]
+            assert 2 * buffers.CUBLAS_WORKSPACE_BYTES <= gpu_only <= 2 * buffers.CUBLAS_WORKSPACE_BYTES + 64 * 1024
+
+
+def test_the_kernels_save_what_the_activation_terms_count():
+    """What the probe read SDPA (cuDNN's kernel on the H100, bf16) and nn.RMSNorm (aten `_fused_rms_norm`) save,
+    against the per-layer terms: Q at every head, K and V at the KV heads (GQA passed natively), the fp32
+    log-sum-exp 4 b a s (1 x 32 x 4096 x 4 = 524,288 B) and the norm's fp32 rstd, 4 bytes per token
+    (2 x 1024 tokens: 8,192 B)."""
+    pr = DEFAULT["probe"]
+    assert pr["rms_norm_ops"] == ["_fused_rms_norm"]
+    assert 8192 in pr["rms_norm_saved_bytes"]
+    run = build_run(RunOptions(layers=1, hidden=4096, heads=32, kv_heads=8, ffn=11008, vocab=32000, seq=4096,
+                               precision="bf16", master_weights=False))
+    assert activations._fp32_norm_stats(run) * 2 * 1024 == 8192
+    terms = activations.layer_terms(run)
+    saved = {tuple(shape): n for n, _, shape in pr["sdpa_gqa_saved"]}
+    assert terms["q"] == saved[(1, 32, 4096, 128)] == 33_554_432
+    assert terms["k"] == terms["v"] == saved[(1, 8, 4096, 128)] == 8_388_608
+    assert terms["attn_lse"] == saved[(1, 32, 4096, 1)] == 524_288
+
+
+def test_softmax_backward_scratch_on_the_h100():
+    """Rows 20 and 21 (eager attention in bf16, and fp32 GQA through SDPA's math fallback, both under full
+    recompute, where a lower layer's softmax backward is the step's peak): CUDA's `_softmax_backward_data` over
+    rows of 4096 and 2048 keys allocated one more fp32 scores-sized buffer beside the gradient (read per op with
+    MEMCALC_CUDA_DIAG: 8,192 MiB = 4 x 32 heads x 4 x 4096 x 4096 and 512 MiB = 4 x 16 x 2 x 2048 x 2048); memcalc
+    was 19.2% and 7.4% below the measured peaks without it (`activations.softmax_backward_scratch`)."""
+    runs = {e["id"]: build_run(RunOptions(**e["opts"])) for e in DEFAULT["results"] if e["id"] in (20, 21)}
+    assert activations.softmax_backward_scratch(runs[20]) == 4 * 32 * 4 * 4096 * 4096 == 8192 * 2**20
+    assert activations.softmax_backward_scratch(runs[21]) == 4 * 16 * 2 * 2048 * 2048 == 512 * 2**20
+    short = build_run(RunOptions(**dict(DEFAULT["results"][20]["opts"], seq=1024)))
+    assert activations.softmax_backward_scratch(short) == 0  # the persistent kernel: no scratch
+
+
+def test_fp32_gqa_sdpa_is_the_math_path():
+    """Row 17: fp32 with GQA passed natively has no fused SDPA kernel on CUDA, and torch's math fallback keeps the
+    s x s fp32 probabilities, as eager attention does (activations.eager_core); fp32 MHA (row 16) takes the
+    memory-efficient kernel and keeps the log-sum-exp."""
+    runs = {e["id"]: build_run(RunOptions(**e["opts"])) for e in DEFAULT["results"] if e["id"] in (16, 17)}
+    gqa, mha = runs[17], runs[16]
+    assert activations.eager_core(gqa) and not activations.eager_core(mha)
+    assert "attn_softmax" in activations.layer_terms(gqa) and "attn_lse" in activations.layer_terms(mha)
