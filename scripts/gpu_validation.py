@@ -268,6 +268,25 @@ def predict(opts: dict[str, Any], expandable: bool = False) -> dict[str, Any]:
             "reserved": int(mem.reserved_peak_bytes), "phases": phases}
 
 
+def replayed(opts: dict[str, Any]) -> int | None:
+    """The caching allocator replayed over the configuration's allocations, run on fake tensors here (one rank, one
+    stream; memcalc/validate/allocator.py): reserved bytes, or None where the harness cannot run it on fake tensors
+    (DDP, ZeroRedundancyOptimizer, data-dependent shapes)."""
+    from memcalc.validate.api import validate
+
+    try:
+        rep = validate(build_run_(opts), device="meta", world="fake", timeout=300)
+    except Exception:  # noqa: BLE001 - shown as n/a
+        return None
+    return int(rep["measured"]["allocator_replay"]["reserved_peak_bytes"])
+
+
+def build_run_(opts: dict[str, Any]) -> Any:
+    from memcalc.options import RunOptions, build_run
+
+    return build_run(RunOptions(**opts))
+
+
 def measured(e: dict[str, Any]) -> dict[str, Any] | None:
     """The GPU's figures of a recorded row (None where it failed)."""
     c = (e.get("report") or {}).get("cuda")
@@ -280,20 +299,27 @@ def measured(e: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _table(data: dict[str, Any], expandable: bool) -> list[str]:
+    replay = not expandable
     out = ["| # | configuration | world | allocated (GiB) | memcalc | error | reserved (GiB) | memcalc | error "
-           "| GPU-only (MiB) | s |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           + ("| replayed | error " if replay else "") + "| GPU-only (MiB) | s |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: " + ("| ---: | ---: " if replay else "")
+           + "| ---: | ---: |"]
     for e in data["results"]:
         m = measured(e)
         if m is None:
             out.append(f"| {e.get('id', '')} | {e['label']} | {e['world']} | failed: "
-                       f"{e.get('failure', '?').splitlines()[0][:200]} | | | | | | | |")
+                       f"{e.get('failure', '?').splitlines()[0][:200]} | | | | | | | |" + (" | |" if replay else ""))
             continue
         p = predict(e["opts"], expandable)
         label = e["label"] + (" (a later run)" if e.get("note") else "")
+        cells = ""
+        if replay:
+            r = replayed(e["opts"])
+            cells = f"{_gib(r)} | {_pct(r, m['reserved'])} | " if r is not None else "n/a | | "
         out.append(f"| {e.get('id', '')} | {label} | {e['world']} | {_gib(m['allocated'])} ({m['phase']}) | "
                    f"{_gib(p['allocated'])} ({p['phase']}) | {_pct(p['allocated'], m['allocated'])} | "
                    f"{_gib(m['reserved'])} | {_gib(p['reserved'])} | {_pct(p['reserved'], m['reserved'])} | "
-                   f"{m['gpu_only'] / 2**20:.1f} | {e['seconds']:.0f} |")
+                   f"{cells}{m['gpu_only'] / 2**20:.1f} | {e['seconds']:.0f} |")
     return out
 
 
@@ -315,7 +341,12 @@ def cuda_section(data: dict[str, Any], expandable: dict[str, Any] | None = None)
            "- `reserved`: `torch.cuda.max_memory_reserved()` against allocated + fragmentation "
            "(memcalc/cost/fragmentation.py).",
            "- `GPU-only`: allocated minus the harness's exact tracked tensor bytes in the measured peak phase: the two "
-           "cuBLAS workspaces (64 MiB) and what kernels allocate for themselves.", ""]
+           "cuBLAS workspaces (64 MiB) and what kernels allocate for themselves.",
+           "- `replayed`: PyTorch's caching allocator replayed over the same configuration's allocations, run without "
+           "a GPU on fake tensors (`memcalc validate --device meta --world fake`, measured.allocator_replay; "
+           "memcalc/validate/allocator.py), one stream: FSDP2's side-stream blocks are pooled with the compute "
+           "stream's (rows 2, 12 and 14 are replayed low, 13 high). n/a: DDP and ZeroRedundancyOptimizer do not run "
+           "on fake tensors, nor the MoE block's data-dependent shapes.", ""]
     out += _table(data, False)
     if expandable:
         out += ["", "With `expandable_segments:True` (memcalc `--fragmentation 0.02`, its documented figure for it):",

@@ -161,3 +161,29 @@ def test_fp32_gqa_sdpa_is_the_math_path():
     gqa, mha = runs[17], runs[16]
     assert activations.eager_core(gqa) and not activations.eager_core(mha)
     assert "attn_softmax" in activations.layer_terms(gqa) and "attn_lse" in activations.layer_terms(mha)
+
+
+# rows replayed on the CPU (fake tensors, one rank), single-stream layouts: the allowed gap to the H100's reserved
+REPLAY_BAR = {1: 0.0, 5: 0.0, 7: 0.0, 15: 0.0, 3: 0.011, 4: 0.011, 6: 0.011, 11: 0.011, 16: 0.011, 21: 0.011,
+              17: 0.021, 19: 0.03}
+REPLAY_MISSES = {20: "+18.7%: one 8 GiB segment more than the GPU reserved; where CUDA's softmax backward places its "
+                     "scratch (model._CudaSoftmax allocates it before the gradient) is not known"}
+
+
+@pytest.mark.parametrize("e", [pytest.param(e, id=f"row{e['id']}", marks=[pytest.mark.xfail(
+    reason=REPLAY_MISSES[e["id"]], strict=True)] if e["id"] in REPLAY_MISSES else [])
+    for e in DEFAULT["results"] if e["id"] in REPLAY_BAR or e["id"] in REPLAY_MISSES])
+def test_allocator_replay_matches_the_h100_reserved(e):
+    """The caching allocator replayed (memcalc/validate/allocator.py) over the harness's allocation log of the same
+    configuration, run here on fake tensors (`--device meta --world fake`), against the H100's
+    `max_memory_reserved()`: to the byte on rows 1 (7B LoRA, 14,585,692,160 B), 5, 7 and 15, within 1.1% or 2-3% on
+    the others. Where memcalc's fraction misses (rows 17, 21: -11%, -19%; row 4: -6%), the replay does not: the
+    gap is the allocator's policy over the allocation order, reproducible without a GPU."""
+    pytest.importorskip("torch")
+    from memcalc.validate.api import validate
+
+    rep = validate(build_run(RunOptions(**e["opts"])), device="meta", world="fake", timeout=200)
+    replayed = rep["measured"]["allocator_replay"]["reserved_peak_bytes"]
+    gpu = e["report"]["cuda"]["measured_reserved_bytes"]
+    bar = REPLAY_BAR.get(e["id"], 0.0)
+    assert abs(replayed - gpu) <= bar * gpu, (replayed, gpu, _err(replayed, gpu))

@@ -53,6 +53,13 @@ def render(report: dict[str, Any]) -> str:
                          f"{c['predicted_bytes']:>14,} {c['measured_bytes']:>14,} {_fmt_err(c['error']):>9}"
                          + ("  exact" if c["exact"] else ""))
         lines.append("(collective bytes: the full buffer of every call in one step, summed; not ring-scaled)")
+    rep = next((r for r in report["rows"] if r["section"] == "allocator_replay"), None)
+    if rep:
+        pooled = m["allocator_replay"].get("side_streams_pooled")
+        lines.append("caching allocator replayed over these allocations (one stream"
+                     + (", FSDP2's side streams pooled with it" if pooled else "")
+                     + f"): reserved {_fmt_bytes(rep['measured'])}; memcalc's allocated + fragmentation "
+                     f"{_fmt_bytes(rep['predicted'])} ({_fmt_err(rep['error'])})")
     cuda = report.get("cuda")
     if cuda:
         lines.append(f"on the GPU: max_memory_allocated {_fmt_bytes(cuda['measured_peak_bytes'])} "

@@ -453,6 +453,14 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
         if fsdp:
             label(fsdp_buffer_storages(model), "sharded_buffers")
         phases = replay(tracker, cats, start_mark)
+    from memcalc.cost.buffers import CUBLAS_WORKSPACE_BYTES
+    from memcalc.validate.allocator import replay_log
+
+    # the caching allocator replayed over the log, one stream, with cuBLAS's two workspaces (first forward and
+    # first backward matmul): the reserved memory a GPU shows for these allocations (memcalc/validate/allocator.py)
+    allocator_replay = dict(replay_log(tracker.events, tracker.marks,
+                                       {"forward": CUBLAS_WORKSPACE_BYTES, "backward": CUBLAS_WORKSPACE_BYTES}),
+                            side_streams_pooled=bool(fsdp))
 
     param_elems = sum((p._local_tensor if hasattr(p, "_local_tensor") else p).numel() for p in params)
     state_bytes = {"params": 0, "master_weights": 0, "grads": 0, "optimizer": 0}
@@ -498,6 +506,7 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                         if offload is not None else {}),
         "cuda": cuda_phases,
         "cuda_setup": cuda_setup,
+        "allocator_replay": allocator_replay,
         "cuda_diag": cuda_diag,
         "seconds": time.perf_counter() - t0,
     }

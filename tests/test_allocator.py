@@ -1,0 +1,83 @@
+"""The caching-allocator replay (memcalc/validate/allocator.py), rule by rule with hand-computed figures; its
+agreement with an H100's `max_memory_reserved()` is in tests/test_cuda_record.py."""
+
+from __future__ import annotations
+
+from memcalc.validate.allocator import CachingAllocator, replay_log, round_size, segment_size
+
+MiB = 1 << 20
+
+
+def test_rounding_and_segment_sizes():
+    # kMinBlockSize 512; small pool <= 1 MiB from 2 MiB segments; < 10 MiB from 20 MiB; else rounded to 2 MiB
+    assert (round_size(1), round_size(512), round_size(513)) == (512, 512, 1024)
+    assert segment_size(MiB) == 2 * MiB
+    assert segment_size(MiB + 512) == segment_size(10 * MiB - 512) == 20 * MiB
+    assert segment_size(10 * MiB) == 10 * MiB
+    assert segment_size(11 * MiB) == 12 * MiB
+
+
+def test_small_blocks_share_a_segment():
+    # 600 KiB = 614,400 B (a multiple of 512): the first carves a 2 MiB segment, leaving 1,482,752 B free; the
+    # second fits there
+    a = CachingAllocator()
+    a.allocate("x", 600 * 1024)
+    a.allocate("y", 600 * 1024)
+    assert (a.reserved, a.allocated) == (2 * MiB, 2 * 614_400)
+
+
+def test_large_remainder_of_one_mib_or_less_is_not_split():
+    # 19.5 MiB -> a 20 MiB segment; the 0.5 MiB left is not split off (large pool: only > 1 MiB), so the whole block
+    # counts as allocated, as `memory_allocated()` counts it
+    a = CachingAllocator()
+    a.allocate("x", 19 * MiB + MiB // 2)
+    assert (a.reserved, a.allocated) == (20 * MiB, 20 * MiB)
+
+
+def test_a_carved_block_strands_the_next_large_request():
+    # A (12 MiB) gets a 12 MiB segment and is freed; B (8 MiB) is carved from it (4 MiB left, split off); C (12 MiB)
+    # finds no free block that large and reserves a new segment: 24 MiB reserved for 20 MiB allocated. Freeing B
+    # merges it with the 4 MiB remainder into the whole 12 MiB block again, which D (12 MiB) reuses.
+    a = CachingAllocator()
+    a.allocate("A", 12 * MiB)
+    a.free("A")
+    a.allocate("B", 8 * MiB)
+    a.allocate("C", 12 * MiB)
+    assert (a.reserved, a.allocated) == (24 * MiB, 20 * MiB)
+    a.free("B")
+    a.allocate("D", 12 * MiB)
+    assert (a.reserved, a.allocated, a.peak_reserved) == (24 * MiB, 24 * MiB, 24 * MiB)
+
+
+def test_best_fit_takes_the_smallest_free_block():
+    # free blocks of 12 and 16 MiB (their own segments): a 12 MiB request takes the 12, not the 16
+    a = CachingAllocator()
+    a.allocate("s12", 12 * MiB)
+    a.allocate("s16", 16 * MiB)
+    a.free("s12")
+    a.free("s16")
+    a.allocate("x", 12 * MiB)
+    a.allocate("y", 16 * MiB)
+    assert a.reserved == 28 * MiB
+
+
+def test_empty_cache_releases_only_free_segments():
+    a = CachingAllocator()
+    a.allocate("keep", 12 * MiB)
+    a.allocate("gone", 14 * MiB)
+    a.free("gone")
+    a.release_free_segments()
+    assert (a.reserved, a.allocated) == (12 * MiB, 12 * MiB)
+
+
+def test_replay_of_a_log():
+    """A tracker log: storage 1 (12 MiB) lives from init; storage 2 (30 MiB) is an init transient; the cache is
+    emptied where the first step starts (the harness's empty_cache), so its 30 MiB segment is not counted; then the
+    forward allocates cuBLAS's workspace (32 MiB, `extra`) and storage 3 (8 MiB, under 10 MiB: a new 20 MiB
+    segment), and a resize of storage 1 to 0 frees it (FSDP2's resize_)."""
+    events = [(1, 12 * MiB), (2, 30 * MiB), (2, -30 * MiB), (3, 8 * MiB), (1, -12 * MiB), (3, -8 * MiB)]
+    marks = [(3, "w-forward")]
+    out = replay_log(events, marks, {"forward": 32 * MiB, "backward": 32 * MiB})
+    # after empty_cache: 12 (storage 1) + 32 (workspace) + 20 (storage 3's segment) = 64 MiB reserved at most;
+    # allocated 12 + 32 + 8
+    assert out == {"reserved_peak_bytes": 64 * MiB, "allocated_peak_bytes": 52 * MiB}
