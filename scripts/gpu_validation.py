@@ -272,19 +272,14 @@ def replayed(opts: dict[str, Any]) -> int | None:
     """The caching allocator replayed over the configuration's allocations, run on fake tensors here (one rank, one
     stream; memcalc/validate/allocator.py): reserved bytes, or None where the harness cannot run it on fake tensors
     (DDP, ZeroRedundancyOptimizer, data-dependent shapes)."""
+    from memcalc.options import RunOptions, build_run
     from memcalc.validate.api import validate
 
     try:
-        rep = validate(build_run_(opts), device="meta", world="fake", timeout=300)
+        rep = validate(build_run(RunOptions(**opts)), device="meta", world="fake", timeout=300)
     except Exception:  # noqa: BLE001 - shown as n/a
         return None
     return int(rep["measured"]["allocator_replay"]["reserved_peak_bytes"])
-
-
-def build_run_(opts: dict[str, Any]) -> Any:
-    from memcalc.options import RunOptions, build_run
-
-    return build_run(RunOptions(**opts))
 
 
 def measured(e: dict[str, Any]) -> dict[str, Any] | None:
