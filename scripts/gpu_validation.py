@@ -339,9 +339,9 @@ def cuda_section(data: dict[str, Any], expandable: dict[str, Any] | None = None)
            "cuBLAS workspaces (64 MiB) and what kernels allocate for themselves.",
            "- `replayed`: PyTorch's caching allocator replayed over the same configuration's allocations, run without "
            "a GPU on fake tensors (`memcalc validate --device meta --world fake`, measured.allocator_replay; "
-           "memcalc/validate/allocator.py), one stream: FSDP2's side-stream blocks are pooled with the compute "
-           "stream's (rows 2, 12 and 14 are replayed low, 13 high). n/a: DDP and ZeroRedundancyOptimizer do not run "
-           "on fake tensors, nor the MoE block's data-dependent shapes.", ""]
+           "memcalc/validate/allocator.py), with a pool per stream (FSDP2's all-gather and reduce-scatter "
+           "streams). Tensor parallelism over the fake process group (rows 8, 13) is not replayed exactly. n/a: DDP "
+           "and ZeroRedundancyOptimizer do not run on fake tensors, nor the MoE block's data-dependent shapes.", ""]
     out += _table(data, False)
     if expandable:
         out += ["", "With `expandable_segments:True` (memcalc `--fragmentation 0.02`, its documented figure for it):",

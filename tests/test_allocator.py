@@ -61,6 +61,18 @@ def test_best_fit_takes_the_smallest_free_block():
     assert a.reserved == 28 * MiB
 
 
+def test_a_block_is_reused_only_on_its_stream():
+    # FSDP2's all-gather output (stream "ag") is freed; the compute stream's next request of the same size cannot
+    # use it and reserves a segment of its own; a later all-gather reuses it
+    a = CachingAllocator()
+    a.allocate("ag1", 12 * MiB, stream="ag")
+    a.free("ag1")
+    a.allocate("act", 12 * MiB, stream="compute")
+    assert a.reserved == 24 * MiB
+    a.allocate("ag2", 12 * MiB, stream="ag")
+    assert a.reserved == 24 * MiB
+
+
 def test_empty_cache_releases_only_free_segments():
     a = CachingAllocator()
     a.allocate("keep", 12 * MiB)

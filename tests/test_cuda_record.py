@@ -164,10 +164,14 @@ def test_fp32_gqa_sdpa_is_the_math_path():
 
 
 # rows replayed on the CPU (fake tensors, one rank), single-stream layouts: the allowed gap to the H100's reserved
-REPLAY_BAR = {1: 0.0, 5: 0.0, 7: 0.0, 15: 0.0, 3: 0.011, 4: 0.011, 6: 0.011, 11: 0.011, 16: 0.011, 21: 0.011,
-              17: 0.021, 19: 0.03}
-REPLAY_MISSES = {20: "+18.7%: one 8 GiB segment more than the GPU reserved; where CUDA's softmax backward places its "
-                     "scratch (model._CudaSoftmax allocates it before the gradient) is not known"}
+REPLAY_BAR = {1: 0.0, 2: 0.0, 5: 0.0, 7: 0.0, 12: 0.0, 14: 0.0, 15: 0.0, 3: 0.011, 4: 0.011, 6: 0.011, 11: 0.011,
+              16: 0.011, 21: 0.011, 17: 0.021, 19: 0.03}
+REPLAY_MISSES = {
+    20: "+18.7%: one 8 GiB segment more than the GPU reserved; where CUDA's softmax backward places its scratch "
+        "(model._CudaSoftmax allocates it before the gradient) is not known",
+    8: "-8.5%: tensor parallelism (DTensor) over the fake process group; not attributed",
+    13: "+13.6%: FSDP2 x tensor parallelism over the fake process group; not attributed",
+}
 
 
 @pytest.mark.parametrize("e", [pytest.param(e, id=f"row{e['id']}", marks=[pytest.mark.xfail(
@@ -176,9 +180,11 @@ REPLAY_MISSES = {20: "+18.7%: one 8 GiB segment more than the GPU reserved; wher
 def test_allocator_replay_matches_the_h100_reserved(e):
     """The caching allocator replayed (memcalc/validate/allocator.py) over the harness's allocation log of the same
     configuration, run here on fake tensors (`--device meta --world fake`), against the H100's
-    `max_memory_reserved()`: to the byte on rows 1 (7B LoRA, 14,585,692,160 B), 5, 7 and 15, within 1.1% or 2-3% on
-    the others. Where memcalc's fraction misses (rows 17, 21: -11%, -19%; row 4: -6%), the replay does not: the
-    gap is the allocator's policy over the allocation order, reproducible without a GPU."""
+    `max_memory_reserved()`, with a pool per stream: to the byte on rows 1 (7B LoRA, 14,585,692,160 B), 5, 7, 15 and
+    the three FSDP2 runs 2 (ZeRO-3, 24,880,611,328 B, where memcalc's fraction is 24% low), 12 and 14 (FSDP2 allocates
+    its all-gather buffers and reduce-scatter outputs on streams of its own), within 1.1% or 2-3% on the others.
+    Where memcalc's fraction misses (rows 2, 17, 19, 21: -24%, -11%, -22%, -19%), the replay does not: the gap is
+    the allocator's policy over the allocation order, reproducible without a GPU."""
     pytest.importorskip("torch")
     from memcalc.validate.api import validate
 

@@ -2,7 +2,7 @@
 show for the same sequence of allocations and frees, computed without a GPU.
 
 The policy mirrored is c10/cuda/CUDACachingAllocator.cpp's default (no `expandable_segments`, no
-`max_split_size_mb`, no garbage collection), one stream:
+`max_split_size_mb`, no garbage collection), per stream:
 - a request is rounded up to a multiple of 512 bytes (kMinBlockSize);
 - requests of at most 1 MiB (kSmallSize) use the small pool, larger ones the large pool;
 - a free block is chosen best fit (the smallest free block of the pool that is large enough, the lowest address
@@ -62,25 +62,26 @@ class CachingAllocator:
     peak_reserved: int = 0
     peak_allocated: int = 0
     _next_addr: int = 0
-    _pools: dict[bool, list[tuple[int, int]]] = field(default_factory=lambda: {True: [], False: []})
+    _pools: dict[tuple[object, bool], list[tuple[int, int]]] = field(default_factory=dict)
     _by_addr: dict[int, _Block] = field(default_factory=dict)
     _live: dict[object, _Block] = field(default_factory=dict)
-    _segments: dict[int, tuple[int, bool]] = field(default_factory=dict)  # segment start -> (size, small pool)
+    # segment start -> (size, pool): a pool is (stream, small); a block is reused only on its segment's stream
+    _segments: dict[int, tuple[int, tuple[object, bool]]] = field(default_factory=dict)
 
-    def _insert(self, b: _Block, small: bool) -> None:
-        bisect.insort(self._pools[small], (b.size, b.addr))
+    def _insert(self, b: _Block, pool: tuple[object, bool]) -> None:
+        bisect.insort(self._pools.setdefault(pool, []), (b.size, b.addr))
 
-    def _remove(self, b: _Block, small: bool) -> None:
-        pool = self._pools[small]
-        i = bisect.bisect_left(pool, (b.size, b.addr))
-        del pool[i]
+    def _remove(self, b: _Block, pool: tuple[object, bool]) -> None:
+        blocks = self._pools[pool]
+        del blocks[bisect.bisect_left(blocks, (b.size, b.addr))]
 
-    def allocate(self, key: object, nbytes: int) -> None:
+    def allocate(self, key: object, nbytes: int, stream: object = 0) -> None:
         if nbytes <= 0:
             return
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        pool = self._pools[small]
+        pool_key = (stream, small)
+        pool = self._pools.setdefault(pool_key, [])
         i = bisect.bisect_left(pool, (size, -1))
         if i < len(pool):
             _, addr = pool.pop(i)
@@ -88,7 +89,7 @@ class CachingAllocator:
         else:
             seg = segment_size(size)
             b = _Block(self._next_addr, seg, self._next_addr)
-            self._segments[b.addr] = (seg, small)
+            self._segments[b.addr] = (seg, pool_key)
             self._by_addr[b.addr] = b
             self._next_addr += seg
             self.reserved += seg
@@ -100,7 +101,7 @@ class CachingAllocator:
                 b.next.prev = r
             b.next, b.size = r, size
             self._by_addr[r.addr] = r
-            self._insert(r, small)
+            self._insert(r, pool_key)
         b.free = False
         self._live[key] = b
         self.allocated += b.size
@@ -110,12 +111,12 @@ class CachingAllocator:
         b = self._live.pop(key, None)
         if b is None:
             return
-        small = self._segments[b.seg][1]
+        pool = self._segments[b.seg][1]
         self.allocated -= b.size
         b.free = True
         for n in (b.prev, b.next):
             if n is not None and n.free:
-                self._remove(n, small)
+                self._remove(n, pool)
                 if n is b.prev:
                     n.size += b.size
                     n.next = b.next
@@ -129,14 +130,14 @@ class CachingAllocator:
                     if n.next is not None:
                         n.next.prev = b
                     del self._by_addr[n.addr]
-        self._insert(b, small)
+        self._insert(b, pool)
 
     def release_free_segments(self) -> None:
         """`torch.cuda.empty_cache()`: segments with nothing allocated go back to the device."""
-        for start, (seg, small) in list(self._segments.items()):
+        for start, (seg, pool) in list(self._segments.items()):
             b = self._by_addr.get(start)
             if b is not None and b.free and b.size == seg:
-                self._remove(b, small)
+                self._remove(b, pool)
                 del self._by_addr[start]
                 del self._segments[start]
                 self.reserved -= seg
@@ -146,12 +147,15 @@ class CachingAllocator:
 
 
 def replay_log(events: list[tuple[int, int]], marks: list[tuple[int, str]],
-               extra: dict[str, int] | None = None) -> dict[str, int]:
+               extra: dict[str, int] | None = None, streams: list[object] | None = None,
+               compute_stream: object = 0) -> dict[str, int]:
     """Replay a tracker's log (`events`: (storage id, bytes delta) in program order; `marks`: (event index, phase)).
     The cache is emptied where the first phase after "init" starts (the harness's `empty_cache` after building
     the model), and the peaks are taken from there. `extra`: bytes allocated once, for good, when the first phase
-    of that name starts (cuBLAS's workspaces: {"forward": 32 MiB, "backward": 32 MiB}). Returns the reserved and
-    allocated peaks in bytes."""
+    of that name starts (cuBLAS's workspaces: {"forward": 32 MiB, "backward": 32 MiB}). `streams`: the stream
+    current at each event (the tracker's `streams`; FSDP2 allocates its all-gather buffers and reduce-scatter
+    outputs on streams of its own, whose blocks no other stream reuses); `compute_stream` takes the extras.
+    Returns the reserved and allocated peaks in bytes."""
     a = CachingAllocator()
     cur: dict[int, int] = {}
     starts: dict[int, list[str]] = {}
@@ -168,13 +172,13 @@ def replay_log(events: list[tuple[int, int]], marks: list[tuple[int, str]],
             base = ph.removeprefix("w-")
             for name in list(pending):
                 if name in base:  # "forward-backward" (pipelining) starts both
-                    a.allocate(("extra", name), pending.pop(name))
+                    a.allocate(("extra", name), pending.pop(name), compute_stream)
         old = cur.get(uid, 0)
         new = old + d
         if old > 0:
             a.free(uid)
         if new > 0:
-            a.allocate(uid, new)
+            a.allocate(uid, new, streams[i] if streams is not None else 0)
             cur[uid] = new
         else:
             cur.pop(uid, None)

@@ -55,10 +55,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append("(collective bytes: the full buffer of every call in one step, summed; not ring-scaled)")
     rep = next((r for r in report["rows"] if r["section"] == "allocator_replay"), None)
     if rep:
-        pooled = m["allocator_replay"].get("side_streams_pooled")
-        lines.append("caching allocator replayed over these allocations (one stream"
-                     + (", FSDP2's side streams pooled with it" if pooled else "")
-                     + f"): reserved {_fmt_bytes(rep['measured'])}; memcalc's allocated + fragmentation "
+        lines.append(f"caching allocator replayed over these allocations (per stream): reserved "
+                     f"{_fmt_bytes(rep['measured'])}; memcalc's allocated + fragmentation "
                      f"{_fmt_bytes(rep['predicted'])} ({_fmt_err(rep['error'])})")
     cuda = report.get("cuda")
     if cuda:

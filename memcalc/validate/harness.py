@@ -156,6 +156,8 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
     replicas = run.shard_degree  # dp x cp ranks hold the same parameters (the "dp" mesh dimension)
     fsdp = run.zero >= 2 and replicas > 1
     tracker = Tracker()
+    tracker.cuda_streams = device == "cuda"
+    compute_stream = tracker._stream()
     diag = device == "cuda" and os.environ.get("MEMCALC_CUDA_DIAG") == "1"
     if diag:
         tracker.ptrs = {}
@@ -456,11 +458,11 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
     from memcalc.cost.buffers import CUBLAS_WORKSPACE_BYTES
     from memcalc.validate.allocator import replay_log
 
-    # the caching allocator replayed over the log, one stream, with cuBLAS's two workspaces (first forward and
+    # the caching allocator replayed over the log, per stream, with cuBLAS's two workspaces (first forward and
     # first backward matmul): the reserved memory a GPU shows for these allocations (memcalc/validate/allocator.py)
-    allocator_replay = dict(replay_log(tracker.events, tracker.marks,
-                                       {"forward": CUBLAS_WORKSPACE_BYTES, "backward": CUBLAS_WORKSPACE_BYTES}),
-                            side_streams_pooled=bool(fsdp))
+    allocator_replay = replay_log(tracker.events, tracker.marks,
+                                  {"forward": CUBLAS_WORKSPACE_BYTES, "backward": CUBLAS_WORKSPACE_BYTES},
+                                  tracker.streams, compute_stream)
 
     param_elems = sum((p._local_tensor if hasattr(p, "_local_tensor") else p).numel() for p in params)
     state_bytes = {"params": 0, "master_weights": 0, "grads": 0, "optimizer": 0}

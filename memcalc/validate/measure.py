@@ -85,6 +85,10 @@ class Tracker(TorchDispatchMode):
         self.uid: dict[int, int] = {}  # live storage key -> unique id (keys are reused after a free)
         self.alloc_phase: dict[int, str] = {}  # uid -> phase at allocation
         self.events: list[tuple[int, int]] = []  # (uid, delta bytes)
+        # the stream current at each event (the caching allocator's pools are per stream: allocator.replay_log);
+        # on the CPU FSDP2 switches torch.cpu's stand-in streams as it switches CUDA's
+        self.streams: list[object] = []
+        self.cuda_streams = False  # set by the harness on CUDA
         self.marks: list[tuple[int, str]] = []  # (event index, phase) at each phase change
         self.phase = "init"
         self.param_storages: set[int] = set()  # storage keys of parameters (for compute copies)
@@ -166,10 +170,16 @@ class Tracker(TorchDispatchMode):
                 self.ptrs[key] = st.data_ptr()
             self.alloc_phase[uid] = self.phase
             self.events.append((uid, n))
+            self.streams.append(self._stream())
         try:
             weakref.finalize(st, self._free, key, uid)
         except TypeError:
             pass
+
+    def _stream(self) -> object:
+        if self.cuda_streams:
+            return torch.cuda.current_stream().cuda_stream
+        return id(torch.cpu.current_stream())
 
     def _free(self, key: int, uid: int) -> None:
         with self._lock:
@@ -178,6 +188,7 @@ class Tracker(TorchDispatchMode):
             n = self.sizes.pop(key)
             del self.uid[key]
             self.events.append((uid, -n))
+            self.streams.append(None)
 
     def _resized(self, st: Any) -> None:
         key = st._cdata
@@ -192,6 +203,7 @@ class Tracker(TorchDispatchMode):
             if delta:
                 self.sizes[key] = n
                 self.events.append((self.uid[key], delta))
+                self.streams.append(self._stream())
 
     def track(self, t: torch.Tensor) -> None:
         try:
