@@ -219,6 +219,7 @@ def compare(est: Any, meas: dict[str, Any], device: str, tolerance: float,
         # memcalc's reserved figure (allocated + fragmentation) against the caching allocator replayed over the
         # run's own allocations (one stream): informative, outside the verdict
         row("allocator_replay", "reserved", int(est.memory.reserved_peak_bytes), rep["reserved_peak_bytes"])
+        rows[-1]["verdict"] = "info"
     cuda = cuda_view(est, meas)
     if cuda is not None:
         # on a GPU the headline is torch.cuda.max_memory_allocated against the prediction with its GPU terms
