@@ -18,6 +18,7 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -208,9 +209,10 @@ class Tracker(TorchDispatchMode):
     def track(self, t: torch.Tensor) -> None:
         try:
             st = t.untyped_storage()
-            if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            if type(t) not in (torch.Tensor, torch.nn.Parameter, _FakeTensor):
                 # a wrapper subclass (functional collectives' AsyncCollectiveTensor) has a placeholder storage
-                # that owns no memory: reading its pointer raises; its inner tensor is tracked on its own
+                # that owns no memory: reading its pointer raises; its inner tensor is tracked on its own (a fake
+                # tensor's storage stands for real memory: tracked without the probe, which torch warns about)
                 st.data_ptr()
         except Exception:  # noqa: BLE001
             return
