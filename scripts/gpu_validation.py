@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from memcalc.cost.fragmentation import EXPANDABLE_SEGMENTS_FRACTION as EXPANDABLE_FRACTION  # noqa: E402
-from memcalc.validate.compare import CATEGORIES  # noqa: E402
+from memcalc.validate.compare import phase_allocated  # noqa: E402
 RECORD = ROOT / "docs" / "data" / "validation-cuda.json"
 
 # torchtune's LoRA tutorial recipe (tests/test_published_finetune.py TT7), with grad-accum 2 instead of 64: the
@@ -263,9 +263,8 @@ def predict(opts: dict[str, Any], expandable: bool = False) -> dict[str, Any]:
     if expandable:
         opts = dict(opts, fragmentation=EXPANDABLE_FRACTION)
     mem = estimate(build_run(RunOptions(**opts)), advice=False).memory
-    phases = {ph.name: sum(int(v) for k, v in ph.live.items() if k in CATEGORIES) for ph in mem.phases}
     return {"allocated": int(mem.allocated_peak_bytes), "phase": mem.peak_phase,
-            "reserved": int(mem.reserved_peak_bytes), "phases": phases}
+            "reserved": int(mem.reserved_peak_bytes), "phases": phase_allocated(mem)}
 
 
 def replayed(opts: dict[str, Any]) -> int | None:

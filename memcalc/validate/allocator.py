@@ -55,7 +55,8 @@ class _Block:
 
 @dataclass
 class CachingAllocator:
-    """One stream's pools. `allocate(key, n)` / `free(key)`; `reserved`, `allocated` and their peaks in bytes."""
+    """The pools, per stream. `allocate(key, n, stream)` / `free(key)`; `reserved`, `allocated` and their peaks in
+    bytes."""
 
     reserved: int = 0
     allocated: int = 0

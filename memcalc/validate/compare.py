@@ -86,6 +86,21 @@ def predicted_view(est: Any) -> dict[str, Any]:
     }
 
 
+def phase_allocated(mem: Any) -> dict[str, int]:
+    """Each predicted phase's allocated bytes (the Estimate's `memory.phases`, GPU-only buffers included)."""
+    return {ph.name: sum(int(ph.live.get(k, 0)) for k in CATEGORIES) for ph in mem.phases}
+
+
+def _phase_figure(pred_phases: dict[str, int], name: str) -> int | None:
+    """The predicted figure for a measured phase: the same phase, or for pipelining's interleaved
+    "forward-backward" the larger of forward and backward; None for a phase the prediction does not model."""
+    if name in pred_phases:
+        return pred_phases[name]
+    if name == "forward-backward":
+        return max(pred_phases.get(n, 0) for n in ("forward", "backward"))
+    return None
+
+
 def cuda_view(est: Any, meas: dict[str, Any]) -> dict[str, Any] | None:
     """Predicted vs `torch.cuda.max_memory_allocated()` per phase and at the peak, and the predicted reserved peak
     (allocated + fragmentation, memcalc/cost/fragmentation.py) vs `max_memory_reserved()`; None off a GPU. Each
@@ -96,14 +111,11 @@ def cuda_view(est: Any, meas: dict[str, Any]) -> dict[str, Any] | None:
     if meas.get("device") != "cuda" or not phases_m:
         return None
     mem = est.memory
-    pred_ph = {ph.name: sum(int(ph.live.get(k, 0)) for k in CATEGORIES) for ph in mem.phases}
+    pred_ph = phase_allocated(mem)
     phases: dict[str, dict[str, Any]] = {}
     for name, c in phases_m.items():
-        if name in pred_ph:
-            p = pred_ph[name]
-        elif name == "forward-backward":
-            p = max(pred_ph.get(n, 0) for n in ("forward", "backward"))
-        else:
+        p = _phase_figure(pred_ph, name)
+        if p is None:
             continue
         tracked = meas["phases"].get(name, {}).get("peak_bytes", 0)
         phases[name] = {"predicted": p, "measured": int(c["max_allocated"]), "tracked": int(tracked),
@@ -119,7 +131,6 @@ def cuda_view(est: Any, meas: dict[str, Any]) -> dict[str, Any] | None:
         "predicted_reserved_bytes": int(mem.reserved_peak_bytes),
         "measured_reserved_bytes": max(c["measured_reserved"] for c in phases.values()),
         "predicted_gpu_only_bytes": sum(int(mem.buffers_detail.get(k, 0)) for k in GPU_ONLY_BUFFERS),
-        "replayed_reserved_bytes": (meas.get("allocator_replay") or {}).get("reserved_peak_bytes"),
     }
 
 
@@ -204,20 +215,17 @@ def compare(est: Any, meas: dict[str, Any], device: str, tolerance: float,
         row("model_states", k, pred["model_states"][k], meas["model_states"][k])
     for k in CATEGORIES:
         row("peak_components", k, pred["components"].get(k, 0), meas["components"].get(k, 0))
+    tracked_ph = {n: ph["peak_bytes"] for n, ph in pred["phases"].items()}
     for name, mph in meas["phases"].items():
-        if name in pred["phases"]:
-            p = pred["phases"][name]["peak_bytes"]
-        elif name == "forward-backward":  # pipelining interleaves forward and backward
-            p = max(pred["phases"].get(n, {"peak_bytes": 0})["peak_bytes"] for n in ("forward", "backward"))
-        else:
-            continue
-        row("phases", name, p, mph["peak_bytes"])
+        p = _phase_figure(tracked_ph, name)
+        if p is not None:
+            row("phases", name, p, mph["peak_bytes"])
     row("total", "peak", pred["peak_bytes"], meas["peak_bytes"])
     err = rel_error(pred["peak_bytes"], meas["peak_bytes"])
     rep = meas.get("allocator_replay")
     if rep:
         # memcalc's reserved figure (allocated + fragmentation) against the caching allocator replayed over the
-        # run's own allocations (one stream): informative, outside the verdict
+        # run's own allocations (per stream): informative, outside the verdict
         row("allocator_replay", "reserved", int(est.memory.reserved_peak_bytes), rep["reserved_peak_bytes"])
         rows[-1]["verdict"] = "info"
     cuda = cuda_view(est, meas)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memcalc.cost.activations import SOFTMAX_PERSISTENT_MAX
 from memcalc.specs import ModelSpec, lora_projections
 
 
@@ -162,7 +163,7 @@ def _ulysses_exchange(x: torch.Tensor, group: Any, to_heads: bool) -> torch.Tens
 
 class _CudaSoftmax(torch.autograd.Function):
     """Softmax over the last dimension, saving its output, whose backward allocates what CUDA's does: for rows
-    longer than 1024 (memcalc/cost/activations.py SOFTMAX_PERSISTENT_MAX) `_softmax_backward_data` allocates one
+    longer than SOFTMAX_PERSISTENT_MAX (1024, memcalc/cost/activations.py) `_softmax_backward_data` allocates one
     more output-sized buffer beside the gradient (measured on an H100); the CPU kernel does not, so here the buffer
     is allocated beside it. On CUDA the harness runs torch's own softmax."""
 
@@ -175,7 +176,7 @@ class _CudaSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         (y,) = ctx.saved_tensors
-        scratch = torch.empty_like(y) if y.shape[-1] > 1024 else None
+        scratch = torch.empty_like(y) if y.shape[-1] > SOFTMAX_PERSISTENT_MAX else None
         gi = torch._softmax_backward_data(g, y, -1, y.dtype)
         del scratch
         return gi
