@@ -203,10 +203,11 @@ LITGPT_OOM = [dict(model="llama-2-7b", micro_batch=4, **LIT), dict(model="llama-
 TT7 = dict(model="llama-2-7b", precision="bf16", master_weights=False, optimizer="adamw", gpu="a100-80gb",
            seq=512, micro_batch=2, recompute="full", loss="full", norm_impl="fp32", grad_accum=64,
            lora_dropout=0.05, keep_logits="fp32")
-TT_RESERVED = ("reserved pool: the figure is max_memory_reserved over the whole run; model init alone reserved "
-               "13.98 GB (allocated peak 13.96 GB, 0.48 GB above the 13.48 GB of bf16 weights: a load-time "
-               "transient) and torchtune never empties the cache, so load-time blocks stay reserved; memcalc "
-               "models steady-state training only")
+TT_RESERVED = ("reserved pool: torchtune's collate pads each batch to its longest sample, and the caching allocator "
+               "keeps the segments cut for shorter batches when a longer one comes (docs/published-finetune.md C): "
+               "torchtune 0.1.0's own code replayed at a fixed 512 tokens reserves 6.2-6.6% under the published "
+               "figures, with varying lengths 0.2-1.9% under (docs/data/torchtune-replay.json); memcalc estimates "
+               "fixed shapes, and `memcalc validate --seq-lengths` replays varying ones")
 TORCHTUNE_TUTORIAL = [
     Case("torchtune-llama2-7b-lora-qv-r8", 15.57, "GB", "reserved", dict(lora_rank=8, lora_targets="qv", **TT7),
          xfail="-4.3% (was -5.6% before the config's grad-accum 64, LoRA dropout and kept fp32 logits); "
@@ -222,8 +223,9 @@ TORCHTUNE_TUTORIAL = [
     Case("torchtune-llama2-7b-qlora", 9.29, "GB", "reserved",
          dict(TT7, lora_rank=8, lora_targets="all", base_dtype="nf4", quant_backend="torchao", grad_accum=16),
          xfail="-44.9% (was -47.5%); the training figure (9.29 GB) is barely above the reserved pool after model "
-               "init (9.13 GB): torchtune loaded the bf16 weights on the GPU and converted them to NF4, and the "
-               "cached blocks stay reserved; memcalc has no load-time term (its allocated peak is 4.6 GiB)"),
+               "init (9.13 GB), a load figure: torchtune 0.1.0's own QLoRA build, replayed, reserves 4.74 GB at init "
+               "and 5.16-5.28 GB in training (docs/published-finetune.md D), so the tutorial's run built the model "
+               "with other code; memcalc models training (its allocated peak is 4.6 GiB)"),
 ]
 
 # --- torchtune README "Optimization flags" (Llama 3.2 3B, batch 2, packed to 4096 tokens, bf16, one A100) --------

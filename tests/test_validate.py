@@ -111,6 +111,15 @@ def test_ddp_fp32_states_buckets_and_allreduce():
     json.dumps(rep)
 
 
+def test_model_states_count_one_steps_gradients_whatever_the_steps():
+    # set_to_none: each step's gradients are new storages; model_states counts one step's (validate schema 1.2)
+    P = _tiny_params()
+    run = run_of(**TINY, precision="fp32")
+    rep = validate(run, device="cpu", world="fake", steps=3, tolerance=0.03, timeout=120)
+    assert rep["measured"]["model_states"]["grads"] == 4 * P
+    assert rep["measured"]["model_states"]["params"] == 4 * P and rep["schema_version"] == "1.2"
+
+
 def test_zero1_all_reduce_and_broadcast():
     P = _tiny_params()
     _, rep = _v(precision="fp32", gpus=2, zero=1)

@@ -69,7 +69,8 @@ def render_explain(est: Estimate, run: Run, con: Console, units: str) -> None:
     parts.append(f"allocator slack f/(1-f) = {f:g}/{1 - f:g} x those = {format_bytes(slack, units)}")
     parts += [f"{k.replace('_', ' ')} pool {format_bytes(v, units)}" for k, v in rd.items()]
     _line(con, "reserved = " + " + ".join(parts) + f" = {format_bytes(mem.reserved_peak_bytes, units)}; "
-               f"fragmentation = reserved - allocated = {format_bytes(frag, units)}")
+               f"fragmentation = reserved - allocated = {format_bytes(frag, units)} (every micro-batch --seq tokens; "
+               "batches of varying length strand more: memcalc validate --seq-lengths)")
     _line(con, f"peak = allocated {format_bytes(mem.allocated_peak_bytes, units)} + fragmentation "
                f"{format_bytes(frag, units)} + runtime {format_bytes(rt, units)} = {format_bytes(mem.peak_bytes, units)}")
     if est.communication.modelled and est.communication.collectives:

@@ -16,9 +16,58 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def resolve_seq_lengths(spec: str | None, run: Run, micro_batches: int) -> tuple[int, ...] | None:
+    """The length of every micro-batch the harness runs, from `--seq-lengths`:
+    - None: every micro-batch is `--seq` tokens (fixed shapes);
+    - "L1,L2,...": the micro-batches take these lengths in turn (the list repeats);
+    - "random:MIN": each micro-batch padded to the longest of its `--micro-batch` samples, whose lengths are drawn
+      uniformly from MIN..--seq (a dataset's samples under a dynamic-padding collate such as torchtune's
+      `padded_collate`); seeded, so a run is reproducible.
+    Raises InputError naming the value."""
+    from memcalc.errors import InputError
+
+    if spec is None:
+        return None
+    seq = int(run.seq)
+    text = spec.strip().lower()
+    if text.startswith("random:"):
+        try:
+            low = int(text.removeprefix("random:"))
+        except ValueError:
+            raise InputError(f"--seq-lengths {spec!r}: after 'random:' give the shortest sample length, "
+                             f"an integer in 1..{seq}") from None
+        if not 1 <= low <= seq:
+            raise InputError(f"--seq-lengths {spec!r}: the shortest sample length must be in 1..{seq} (--seq)")
+        import random
+
+        rng = random.Random(0)
+        b = int(run.micro_batch)
+        lengths = tuple(max(rng.randint(low, seq) for _ in range(b)) for _ in range(micro_batches))
+    else:
+        try:
+            lengths = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise InputError(f"--seq-lengths {spec!r} is not valid; valid: comma-separated lengths (448,480,512) "
+                             f"or random:MIN") from None
+        bad = [n for n in lengths if not 1 <= n <= seq]
+        if bad:
+            raise InputError(f"--seq-lengths: {bad[0]} is not a length in 1..{seq} (--seq)")
+        lengths = tuple(lengths[i % len(lengths)] for i in range(micro_batches))
+    if run.pp > 1 or run.cp > 1:
+        raise InputError("--seq-lengths runs in the harness without pipeline or context parallelism (pp = cp = 1): "
+                         "their schedules and sequence chunks have fixed shapes")
+    if run.sp and run.tp > 1 and any(n % run.tp for n in lengths):
+        n = next(n for n in lengths if n % run.tp)
+        raise InputError(f"--seq-lengths: {n} is not divisible by --tp {run.tp}, which sequence parallelism "
+                         "needs")
+    return lengths
+
+
 def validate(run: Run, *, device: str = "auto", world: str = "real", steps: int = 1, warmup: int = 2,
-             rank: int | None = None, tolerance: float = 0.03, timeout: float = 300.0) -> dict[str, Any]:
-    """Raises parallelize.Unsupported (a configuration the harness cannot build) and runner.RankFailure."""
+             rank: int | None = None, tolerance: float = 0.03, timeout: float = 300.0,
+             seq_lengths: str | None = None) -> dict[str, Any]:
+    """Raises parallelize.Unsupported (a configuration the harness cannot build) and runner.RankFailure.
+    `seq_lengths`: `--seq-lengths` (resolve_seq_lengths); the prediction stays the one for --seq tokens."""
     from memcalc.cost.estimate import estimate
     from memcalc.errors import InputError
     from memcalc.validate.compare import compare
@@ -49,16 +98,18 @@ def validate(run: Run, *, device: str = "auto", world: str = "real", steps: int 
             raise InputError(f"--peak-step first is validated with one micro-batch per step (got --grad-accum "
                              f"{run.grad_accum}): the harness's later micro-batches are as long as the first")
         warmup, steps = 0, 1
+    lengths = resolve_seq_lengths(seq_lengths, run, (warmup + steps) * int(run.grad_accum))
     t0 = time.perf_counter()
     from memcalc.validate.runner import launched_by_torchrun, run_torchrun_rank
 
     if world == "real" and launched_by_torchrun():
         # torchrun on the user's own cluster: this process is one rank; every rank measures, all gather
-        this_rank, results = run_torchrun_rank(run, device=device, steps=steps, warmup=warmup)
+        this_rank, results = run_torchrun_rank(run, device=device, steps=steps, warmup=warmup,
+                                               seq_lengths=lengths)
         torchrun_rank: int | None = this_rank
     else:
         results = run_world(run, world=world, device=device, steps=steps, warmup=warmup, ranks=[rank],
-                            timeout=timeout)
+                            timeout=timeout, seq_lengths=lengths)
         torchrun_rank = None
     wall = time.perf_counter() - t0
     meas = results[rank]
@@ -71,6 +122,8 @@ def validate(run: Run, *, device: str = "auto", world: str = "real", steps: int 
         "all_ranks_peak_bytes": {str(r): v["peak_bytes"] for r, v in sorted(results.items())},
         "launcher": "torchrun" if torchrun_rank is not None else "memcalc",
         "this_process_rank": torchrun_rank,
+        # the micro-batches' lengths, warm-up included (null: every one is --seq tokens)
+        "seq_lengths": list(lengths) if lengths is not None else None,
     }
     from memcalc.cost.estimate import resolved_inputs
 

@@ -36,6 +36,10 @@ def render(report: dict[str, Any]) -> str:
     lines.append(f"memcalc validate: rank {report['rank']} (pipeline stage {report['stage']}), world "
                  f"{report['world']} of {m['world_size']}, device {report['device']}, torch {m['torch_version']}, "
                  f"{m['steps']} measured step(s) after {m['warmup']} warm-up, {report['seconds']:.1f} s")
+    lengths = report.get("seq_lengths")
+    if lengths:
+        lines.append(f"micro-batch lengths (dynamic padding): {len(lengths)} micro-batches, {min(lengths)} to "
+                     f"{max(lengths)} tokens; the prediction is for the longest, --seq")
     lines.append(f"{'section':<16} {'name':<18} {'predicted':>16} {'measured':>16} {'error':>9}  verdict")
     for r in report["rows"]:
         lines.append(f"{r['section']:<16} {r['name']:<18} {r['predicted']:>16,} {r['measured']:>16,} "
@@ -93,6 +97,11 @@ def register(app: typer.Typer) -> None:
                                                rich_help_panel=_V)] = 300.0,
         json_out: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.",
                                                rich_help_panel=_V)] = False,
+        seq_lengths: Annotated[Optional[str], typer.Option(
+            "--seq-lengths", help="Micro-batches of varying length (dynamic padding), for the allocator replay's "
+            "reserved figure: comma-separated lengths taken in turn (448,480,512), or random:MIN (each micro-batch "
+            "padded to the longest of its samples, drawn uniformly from MIN..--seq; seeded). The prediction stays "
+            "the one for --seq.", rich_help_panel=_V)] = None,
         **kwargs: Any,
     ) -> None:
         """Run the configuration in torch, measure it exactly (live bytes per component and phase, bytes of every
@@ -132,7 +141,7 @@ def register(app: typer.Typer) -> None:
                 raise InputError("--device cuda: no CUDA device is available; valid here: cpu, meta")
         try:
             report = run_validate(run, device=device, world=world, steps=steps, rank=rank, tolerance=tolerance,
-                                  timeout=timeout)
+                                  timeout=timeout, seq_lengths=seq_lengths)
         except Unsupported as e:
             raise InputError(str(e)) from None
         except RankFailure as e:

@@ -122,7 +122,10 @@ def _untracked_gloo_reduce_scatter(tracker: Any, enabled: bool) -> Any:
 
 
 def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warmup: int,
-             fake_world: bool) -> dict[str, Any]:
+             fake_world: bool, seq_lengths: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """`seq_lengths`: the length of each micro-batch in turn, warm-up included (batches padded to their longest
+    sample, as a dynamic-padding collate makes them; api.resolve_seq_lengths); None: every micro-batch is --seq
+    tokens long."""
     import torch.distributed as dist
 
     from memcalc.cost.activations import LITGPT_CHUNK_TOKENS, LOSS_CHUNKS, loop_holds_graph
@@ -348,7 +351,8 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
         if diag:  # from the first warm-up step on: persistent blocks get their allocating frames too
             torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
         start_mark = 0
-        grad_keys: set[int] = set()
+        grad_keys: set[int] = set()  # every measured step's gradients (labels for the phase breakdown)
+        step_grad_keys: set[int] = set()
         holds_graph = loop_holds_graph(run)
         held_loss: Any = None
         for step in range(warmup + steps):
@@ -379,9 +383,16 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                     with sync:
                         tracker.set_phase(pre + "forward")
                         cuda_mark("forward", True)
+                        mb_tokens, mb_targets = tokens[mb], targets[mb]
+                        if seq_lengths:
+                            # this micro-batch padded to its own longest sample: fresh tensors of its length, as
+                            # a loop's `input_ids.to(device)` makes them (the previous ones are freed here)
+                            n_mb = seq_lengths[(step * ga + mb) % len(seq_lengths)]
+                            mb_tokens = tokens[mb][:, :n_mb].contiguous()
+                            mb_targets = targets[mb][:, :n_mb].contiguous()
                         with amp(), loss_ctx():
                             with offload.forward() if offload else contextlib.nullcontext():
-                                out = ddp_model(tokens[mb])
+                                out = ddp_model(mb_tokens)
                             if t.keep_logits == "fp32":
                                 # torchtune 0.1's model returns `self.output(h).float()`; Lightning Fabric's
                                 # bf16-true precision upcasts each chunk of lit-gpt's list (`convert_output`)
@@ -389,9 +400,9 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                             # the loop's `logits = model(...)` replaces the previous micro-batch's logits now
                             kept_logits = None
                             if t.loss == "full":
-                                loss = loss_fn(out, targets[mb]) / ga
+                                loss = loss_fn(out, mb_targets) / ga
                             else:
-                                loss = chunked_loss_fn(out, targets[mb], t.loss, tracker.paused) / ga
+                                loss = chunked_loss_fn(out, mb_targets, t.loss, tracker.paused) / ga
                             # and its `loss = ...` the previous loss, and with it the previous graph
                             held_loss = None
                             if t.loss == "lit-gpt" or t.keep_logits != "none":
@@ -411,11 +422,13 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                         del loss
                         cuda_mark("backward", False)
             if measuring:
+                step_grad_keys = set()  # this step's gradients (set_to_none: each step allocates new ones)
                 for p in params:
                     if p.grad is not None:
                         k = storage_key(p.grad)
                         if k is not None and k in tracker.uid:
-                            grad_keys.add(tracker.uid[k])
+                            step_grad_keys.add(tracker.uid[k])
+                grad_keys |= step_grad_keys
             tracker.set_phase(pre + "optimizer")
             cuda_mark("optimizer", True)
             optim.step()
@@ -474,7 +487,8 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
         if cur[uid] > sizes_by_uid.get(uid, 0):
             sizes_by_uid[uid] = cur[uid]
     for uid, cat in cats.items():
-        if cat in state_bytes:
+        # the gradients of one step (the last): earlier steps' were other storages of the same sizes
+        if cat in state_bytes and (cat != "grads" or uid in step_grad_keys):
             state_bytes[cat] += sizes_by_uid.get(uid, 0)
     out_phases = {}
     for name, ph in phases.items():

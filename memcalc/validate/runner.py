@@ -33,7 +33,7 @@ def _free_port() -> int:
 
 
 def _worker(run: Run, rank: int, world_size: int, device: str, steps: int, warmup: int, fake: bool,
-            port: int, q: Any) -> None:
+            port: int, q: Any, seq_lengths: tuple[int, ...] | None = None) -> None:
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         import torch
@@ -51,7 +51,7 @@ def _worker(run: Run, rank: int, world_size: int, device: str, steps: int, warmu
                                     world_size=world_size)
         from memcalc.validate.harness import run_rank
 
-        result = run_rank(run, rank, world_size, device, steps, warmup, fake)
+        result = run_rank(run, rank, world_size, device, steps, warmup, fake, seq_lengths)
         q.put((rank, "ok", result))
         try:
             dist.destroy_process_group()
@@ -77,7 +77,7 @@ def _context() -> Any:
 
 
 def run_world(run: Run, *, world: str, device: str, steps: int, warmup: int, ranks: list[int],
-              timeout: float) -> dict[int, dict[str, Any]]:
+              timeout: float, seq_lengths: tuple[int, ...] | None = None) -> dict[int, dict[str, Any]]:
     """Run the configuration; return the measurement of each rank in `ranks` (fake world: each is run in its
     own single-process fake group)."""
     ctx = _context()
@@ -92,7 +92,7 @@ def run_world(run: Run, *, world: str, device: str, steps: int, warmup: int, ran
         procs = {}
         for r in job:
             p = ctx.Process(target=_worker, args=(run, r, int(run.gpus), device, steps, warmup, world == "fake",
-                                                  port, q), daemon=True)
+                                                  port, q, seq_lengths), daemon=True)
             p.start()
             procs[r] = p
         deadline = time.monotonic() + timeout
@@ -139,7 +139,8 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
-def run_torchrun_rank(run: Run, *, device: str, steps: int, warmup: int) -> tuple[int, dict[int, dict[str, Any]]]:
+def run_torchrun_rank(run: Run, *, device: str, steps: int, warmup: int,
+                      seq_lengths: tuple[int, ...] | None = None) -> tuple[int, dict[int, dict[str, Any]]]:
     """Run this process's rank of a torchrun launch (NCCL on GPUs, gloo on CPU) and gather every rank's
     measurement on every rank. Returns (this rank, {rank: measurement})."""
     import torch
@@ -156,7 +157,7 @@ def run_torchrun_rank(run: Run, *, device: str, steps: int, warmup: int) -> tupl
     from memcalc.validate.harness import run_rank
 
     try:
-        mine = run_rank(run, rank, world, device, steps, warmup, False)
+        mine = run_rank(run, rank, world, device, steps, warmup, False, seq_lengths)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, mine)
     finally:
