@@ -309,6 +309,9 @@ class HardwareSpec(_Frozen):
     latency_s: float = Field(default=5e-6, ge=0)
     runtime_overhead_bytes: int = Field(default=0, ge=0)
     default_mfu: float = Field(default=0.4, gt=0, le=1)
+    # compute architecture: "sm80", "sm90", ... (NVIDIA compute capability), "gfx942" (AMD); "" when unknown.
+    # It sizes the BLAS workspaces (cost/buffers.py blas_workspace_bytes).
+    arch: str = Field(default="", pattern=r"^(sm[0-9]{2,3}|gfx[0-9a-f]{3,4})?$")
     source: str = ""
 
 

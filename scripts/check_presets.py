@@ -13,6 +13,7 @@ Usage: python scripts/check_presets.py [PRESETS_DIR]
 
 from __future__ import annotations
 
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -75,10 +76,12 @@ GPU_REQUIRED: dict[str, type | tuple[type, ...]] = {
     "latency_s": (int, float),
     "runtime_overhead_bytes": int,
     "default_mfu": (int, float),
+    "arch": str,
     "flops": dict,
 }
 GPU_OPTIONAL: dict[str, type | tuple[type, ...]] = {}
 FLOPS_KEYS = {"fp32", "tf32", "bf16", "fp16", "fp8"}
+ARCH_PATTERN = r"sm[0-9]{2,3}|gfx[0-9a-f]{3,4}"  # memcalc/specs.py HardwareSpec.arch
 
 
 def _type_ok(value: object, want: type | tuple[type, ...]) -> bool:
@@ -225,6 +228,8 @@ def check_gpu(path: Path, g: dict) -> tuple[list[str], list[str]]:
         errors.append(f"{where}: negative network/latency/overhead figure")
     if not 0 < g["default_mfu"] <= 1:
         errors.append(f"{where}: default_mfu out of (0, 1]")
+    if not re.fullmatch(ARCH_PATTERN, g["arch"]):
+        errors.append(f"{where}: arch {g['arch']!r} is not smNN or gfxNNN")
     row = [
         g["name"],
         f"{g['memory_bytes'] / 2**30:.2f} GiB",

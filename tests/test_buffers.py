@@ -470,3 +470,29 @@ def test_pipelined_fsdp_accumulates_unsharded_gradients():
                  "fsdp_reduce_scatter_in_flight"):
         assert bufs[name].bytes == 0, name
     assert bufs["fsdp_root_reduce_scatter"].bytes > 0
+
+
+# --- BLAS workspaces by architecture (aten/src/ATen/cuda/CublasHandlePool.cpp parseChosenWorkspaceSize) -----------
+@pytest.mark.parametrize("gpu,cublas,te", [
+    ("a100-80gb", 4096 * 1024 * 2 + 16 * 1024 * 8, 4 << 20),  # ":4096:2:16:8" before Hopper = 8,519,680 B
+    ("v100-32gb", 8_519_680, 4 << 20),
+    ("rtx-4090", 8_519_680, 4 << 20),  # Ada (8.9) is before Hopper
+    ("h100", 32 << 20, 32 << 20),  # ":4096:8" on 9.x
+    ("b200", 32 << 20, 32 << 20),  # and on Blackwell (10.x)
+    ("mi300x", 128 << 20, 32 << 20),  # hipBLAS on gfx942
+])
+def test_blas_workspaces_follow_the_architecture(gpu, cublas, te):
+    from memcalc.presets import load_gpu
+
+    hw = load_gpu(gpu)
+    assert B.blas_workspace_bytes(hw) == cublas and B.te_workspace_bytes(hw) == te
+    from tests.conftest import run_of
+
+    est_buffers = stage_buffers(run_of(model="llama-2-7b", gpu=gpu), 0)
+    assert est_buffers["cublas_workspaces"].bytes == 2 * cublas  # forward and backward threads
+
+
+def test_an_unknown_architecture_is_taken_as_hopper_and_a_bad_one_is_refused():
+    assert B.blas_workspace_bytes(HardwareSpec(memory_bytes=1 << 30)) == 32 << 20
+    with pytest.raises(Exception, match="arch"):
+        HardwareSpec(memory_bytes=1 << 30, arch="ampere")

@@ -53,7 +53,7 @@ from memcalc.cost.params import (
     stage_param_split,
     stage_params,
 )
-from memcalc.specs import DTYPE_BYTES, Run
+from memcalc.specs import DTYPE_BYTES, HardwareSpec, Run
 from memcalc.xp import muldiv, cdiv, imax, imin, where
 
 Num = Any
@@ -79,6 +79,7 @@ FWD_BWD: frozenset[str] = frozenset({"forward", "forward_head", "forward_layer",
 BACKWARD: frozenset[str] = frozenset({"backward", "backward_layer", "backward_post"})
 OPTIMIZER: frozenset[str] = frozenset({"optimizer"})
 
+KiB = 1 << 10
 MiB = 1 << 20
 
 # --- framework defaults (each overridable by a same-named field on TrainingSpec once one exists; see _knob) ---
@@ -93,13 +94,41 @@ DS_PREFETCH_BUCKET_SIZE = 50_000_000  # stage3_prefetch_bucket_size
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters
 DS_MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance
 DS_CONTIGUOUS_GRADIENTS = True
-# cuBLAS workspace per (handle, stream): 4096 KiB x 8 on sm90+ (aten/src/ATen/cuda/CublasHandlePool.cpp
-# parseChosenWorkspaceSize; 4096 KiB x 2 + 16 KiB x 8 = 8.125 MiB before Hopper). Modelled for Hopper and later.
+# cuBLAS workspace per (handle, stream), torch's default without CUBLAS_WORKSPACE_CONFIG
+# (aten/src/ATen/cuda/CublasHandlePool.cpp parseChosenWorkspaceSize): ":4096:8" = 32 MiB on compute capability
+# 9.x-12.x (Hopper, Blackwell), ":4096:2:16:8" = 8.125 MiB before; ROCm's hipBLAS 32 MiB, 128 MiB on
+# gfx942 / gfx950 / gfx1250. An unknown architecture is taken as Hopper.
 CUBLAS_WORKSPACE_BYTES = 32 * MiB
+CUBLAS_WORKSPACE_PRE_HOPPER_BYTES = 4096 * KiB * 2 + 16 * KiB * 8
+HIPBLAS_WORKSPACE_BYTES = 32 * MiB
+HIPBLAS_WORKSPACE_LARGE_BYTES = 128 * MiB
+HIPBLAS_LARGE_ARCHS = ("gfx942", "gfx950", "gfx1250")
 # TransformerEngine pytorch/module/base.py get_cublas_workspace_size_bytes(): 32 MiB on sm90+ (4 MiB before);
 # get_multi_stream_cublas_workspace(): one more per cuBLAS stream (4) for grouped GEMM (MoE).
 TE_WORKSPACE_BYTES = 32 * MiB
+TE_WORKSPACE_PRE_HOPPER_BYTES = 4 * MiB
 TE_GROUPED_GEMM_STREAMS = 4
+
+
+def _sm_major(arch: str) -> int | None:
+    """9 for "sm90", 10 for "sm100", None for "" or a non-NVIDIA architecture."""
+    if arch.startswith("sm") and arch[2:].isdigit():
+        return int(arch[2:]) // 10
+    return None
+
+
+def blas_workspace_bytes(hw: HardwareSpec) -> int:
+    """torch's cuBLAS (hipBLAS on ROCm) workspace per (handle, stream) on this GPU, in bytes."""
+    if hw.arch.startswith("gfx"):
+        return HIPBLAS_WORKSPACE_LARGE_BYTES if hw.arch in HIPBLAS_LARGE_ARCHS else HIPBLAS_WORKSPACE_BYTES
+    major = _sm_major(hw.arch)
+    return CUBLAS_WORKSPACE_PRE_HOPPER_BYTES if major is not None and major < 9 else CUBLAS_WORKSPACE_BYTES
+
+
+def te_workspace_bytes(hw: HardwareSpec) -> int:
+    """TransformerEngine's cuBLAS workspace on this GPU, in bytes."""
+    major = _sm_major(hw.arch)
+    return TE_WORKSPACE_PRE_HOPPER_BYTES if major is not None and major < 9 else TE_WORKSPACE_BYTES
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -254,12 +283,13 @@ def _workspaces(run: Run) -> dict[str, Buffer]:
     out = {
         # forward runs on the Python thread, backward on autograd's device thread: two cuBLAS handles, each with
         # its own workspace on the compute stream (CublasHandlePool.cpp keys workspaces by (handle, stream)).
-        "cublas_workspaces": Buffer(2 * CUBLAS_WORKSPACE_BYTES, ALL_PHASES, "cuBLAS workspaces (fwd and bwd threads)"),
+        "cublas_workspaces": Buffer(2 * blas_workspace_bytes(run.hardware), ALL_PHASES,
+                                    "cuBLAS workspaces (fwd and bwd threads)"),
     }
     if run.profile == "megatron":
-        te = TE_WORKSPACE_BYTES
+        te = te_workspace_bytes(run.hardware)
         if run.model.moe is not None:
-            te += TE_GROUPED_GEMM_STREAMS * TE_WORKSPACE_BYTES
+            te += TE_GROUPED_GEMM_STREAMS * te_workspace_bytes(run.hardware)
         out["te_cublas_workspace"] = Buffer(te, ALL_PHASES, "TransformerEngine cuBLAS workspace(s)")
     return out
 

@@ -468,13 +468,14 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
         if fsdp:
             label(fsdp_buffer_storages(model), "sharded_buffers")
         phases = replay(tracker, cats, start_mark)
-    from memcalc.cost.buffers import CUBLAS_WORKSPACE_BYTES
+    from memcalc.cost.buffers import blas_workspace_bytes
     from memcalc.validate.allocator import replay_log
 
     # the caching allocator replayed over the log, per stream, with cuBLAS's two workspaces (first forward and
     # first backward matmul): the reserved memory a GPU shows for these allocations (memcalc/validate/allocator.py)
     allocator_replay = replay_log(tracker.events, tracker.marks,
-                                  {"forward": CUBLAS_WORKSPACE_BYTES, "backward": CUBLAS_WORKSPACE_BYTES},
+                                  {"forward": blas_workspace_bytes(run.hardware),
+                                   "backward": blas_workspace_bytes(run.hardware)},
                                   tracker.streams, compute_stream)
 
     param_elems = sum((p._local_tensor if hasattr(p, "_local_tensor") else p).numel() for p in params)
