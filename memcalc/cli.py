@@ -131,6 +131,11 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                   "held by the previous graph are live) | first (the run's first, before any optimizer step: nothing "
                   "from an earlier micro-batch, and torch.optim's states not created yet; a loop that trains on its "
                   "longest batch first, as lit-gpt did in 2023, peaks there).", panel=_T)),
+    "rope_cache": (str, "none", _opt("--rope-cache", help="A rotary table the model code keeps as a buffer: "
+                   "none (computed per forward: Hugging Face, Megatron) | N (one fp32 cos/sin table of N positions "
+                   "for the model: torchtune's builders since 0.2 pass one RoPE module to every layer, e.g. 131072 "
+                   "for Llama 3.2) | N/layer (one per layer: torchtune 0.1 deep-copies the first layer, e.g. "
+                   "4096/layer for Llama 2).", panel=_T)),
     "offload_activations": (bool, False, _opt("--offload-activations/--no-offload-activations", help="Layers' "
                             "saved activations go to host memory in forward and come back in backward, one layer "
                             "ahead (torchtune enable_activation_offloading, Megatron/TE --cpu-offloading); two "

@@ -35,7 +35,7 @@ FLAG_OF = {
     "attention": "--attention", "norm_impl": "--norm-impl", "qkv_impl": "--qkv-impl",
     "gqa_impl": "--gqa-impl", "optimizer_impl": "--optimizer-impl", "offload_activations": "--offload-activations",
     "quantize_head": "--quantize-head", "lora_dropout": "--lora-dropout", "loss": "--loss", "dropout": "--dropout",
-    "keep_logits": "--keep-logits", "peak_step": "--peak-step",
+    "keep_logits": "--keep-logits", "peak_step": "--peak-step", "rope_cache": "--rope-cache",
     "fragmentation": "--fragmentation",
     "mfu": "--mfu", "gpus": "--gpus", "dp": "--dp", "tp": "--tp", "pp": "--pp", "vpp": "--vpp", "cp": "--cp",
     "ep": "--ep", "zero": "--zero", "offload": "--offload", "schedule": "--schedule",
@@ -154,6 +154,7 @@ class RunOptions:
     loss: str = "full"
     keep_logits: str = "none"
     peak_step: str = "steady"
+    rope_cache: str = "none"
     offload_activations: bool = False
     dropout: float | None = None
     foreach: bool | None = None
@@ -399,6 +400,18 @@ def _freeze_items(text: str | None) -> tuple[str, ...]:
     return tuple(x.strip().lower() for x in text.split(",") if x.strip())
 
 
+def _rope_cache(text: str) -> tuple[int, bool]:
+    """`--rope-cache`: none | N | N/layer -> (positions, one table per layer)."""
+    t = (text or "none").strip().lower()
+    if t == "none":
+        return 0, False
+    n, sep, per = t.partition("/")
+    if n.isdigit() and int(n) > 0 and (not sep or per == "layer"):
+        return int(n), bool(sep)
+    raise InputError(f"--rope-cache {text!r} is not valid; valid: none, N (one table of N positions, e.g. 131072), "
+                     "N/layer (one per layer, e.g. 4096/layer)")
+
+
 def build_run(o: RunOptions) -> Run:
     if any(getattr(o, f) for f in IMPORT_FIELDS):
         from memcalc.importers import apply_imports
@@ -427,6 +440,7 @@ def build_run(o: RunOptions) -> Run:
             raise InputError(f"{flag} {v} must be in [0, 1)")
     if o.mfu is not None and not 0.0 < o.mfu <= 1.0:
         raise InputError(f"--mfu {o.mfu} must be in (0, 1]")
+    rope_positions, rope_per_layer = _rope_cache(o.rope_cache)
     model, assumed = build_model(o)
     hardware = build_hardware(o)
     try:
@@ -435,6 +449,7 @@ def build_run(o: RunOptions) -> Run:
             precision=o.precision, master_weights=o.master_weights, grad_dtype=o.grad_dtype, optimizer=o.optimizer,
             recompute=o.recompute, recompute_layers=o.recompute_layers, attention=o.attention, loss=o.loss,
             keep_logits=o.keep_logits, peak_step=o.peak_step,
+            rope_cache_positions=rope_positions, rope_cache_per_layer=rope_per_layer,
             offload_activations=o.offload_activations,
             norm_impl=o.norm_impl, qkv_impl=o.qkv_impl, gqa_impl=o.gqa_impl, lora_dropout=o.lora_dropout,
             dropout=o.dropout, foreach=o.foreach, optimizer_impl=o.optimizer_impl, fragmentation=o.fragmentation,

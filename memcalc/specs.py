@@ -227,6 +227,10 @@ class TrainingSpec(_Frozen):
     # of an earlier micro-batch, and torch.optim's states not yet created; lit-gpt <= 2023 trains on the longest
     # sample first); docs/methodology.md "The first step"
     peak_step: Literal["steady", "first"] = "steady"
+    # a rotary cos/sin table kept as a buffer by the model code (fp32, positions x rope_dim/2 x 2): 0 for none;
+    # per layer (torchtune 0.1's deep-copied layers) or one for the model (torchtune >= 0.2); cost/buffers.py
+    rope_cache_positions: int = Field(default=0, ge=0)
+    rope_cache_per_layer: bool = False
     # the layers' saved activations live in host memory between their forward and backward, double-buffered one
     # layer at a time (docs/methodology.md "Activation offloading"); embedding, final norm, head and loss stay
     offload_activations: bool = False

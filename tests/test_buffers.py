@@ -496,3 +496,28 @@ def test_an_unknown_architecture_is_taken_as_hopper_and_a_bad_one_is_refused():
     assert B.blas_workspace_bytes(HardwareSpec(memory_bytes=1 << 30)) == 32 << 20
     with pytest.raises(Exception, match="arch"):
         HardwareSpec(memory_bytes=1 << 30, arch="ampere")
+
+
+# --- --rope-cache: the model code's rotary tables (torchtune RotaryPositionalEmbeddings.build_rope_cache) ---------
+def test_rope_cache_tables():
+    from tests.conftest import run_of
+
+    # Llama-2-7B, head_dim 128: a table of 4096 positions x 64 angles x (cos, sin) x 4 B = 2 MiB
+    one = 4096 * 64 * 2 * 4
+    assert one == 2 << 20
+    per_layer = stage_buffers(run_of(model="llama-2-7b", rope_cache="4096/layer"), 0)["rope_cache"]
+    assert per_layer.bytes == 32 * one and per_layer.phases == ALL_PHASES  # torchtune 0.1: 64 MiB
+    # one table shared by the layers (torchtune >= 0.2), Llama 3.2's 131072 positions: 131072 x 64 x 2 x 4 = 64 MiB
+    assert stage_buffers(run_of(model="llama-3.2-3b", rope_cache="131072"), 0)["rope_cache"].bytes == 64 << 20
+    # pipeline stage 3 of 4 holds its 8 layers' tables; tp does not split them
+    assert stage_buffers(run_of(model="llama-2-7b", rope_cache="4096/layer", gpus=8, pp=4, tp=2), 3)[
+        "rope_cache"].bytes == 8 * one
+    assert "rope_cache" not in stage_buffers(run_of(model="llama-2-7b"), 0)
+
+
+@pytest.mark.parametrize("bad", ["banana", "4096/lay", "0", "-5", "4096/layer/x"])
+def test_rope_cache_bad_values_exit_2(bad):
+    from tests.conftest import cli
+
+    code, out, err = cli("estimate", "--model", "llama-2-7b", "--rope-cache", bad)
+    assert code == 2 and "--rope-cache" in err and "valid: none, N" in err and len(err.strip().splitlines()) == 1

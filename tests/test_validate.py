@@ -262,3 +262,12 @@ def test_cli_json_and_exit_status():
     assert code == (0 if rep["within_tolerance"] else 1)
     code2, out2, _ = cli("validate", *_flags(TINY), "--precision", "fp32", "--device", "cpu", "--tolerance", "0.9")
     assert code2 == 0 and "total peak error" in out2
+
+
+def test_rope_cache_tables_are_held_by_the_harness():
+    # --rope-cache 4096/layer: 2 layers x 4096 x (head_dim 16 / 2) x 2 x 4 B = 524,288 B more live buffers
+    _, plain = _v(world="fake")
+    _, roped = _v(world="fake", rope_cache="4096/layer")
+    extra = 2 * 4096 * 8 * 2 * 4
+    assert roped["measured"]["peak_bytes"] - plain["measured"]["peak_bytes"] == extra
+    assert roped["predicted"]["peak_bytes"] - plain["predicted"]["peak_bytes"] == extra

@@ -50,6 +50,7 @@ from memcalc.cost.params import (
     scaled,
     stage_dense_layers,
     stage_layer_params,
+    stage_layers,
     stage_param_split,
     stage_params,
 )
@@ -776,7 +777,23 @@ def stage_buffers(run: Run, stage: Num = 0) -> dict[str, Buffer]:
         out = _deepspeed_buffers(run, stage)
     out.update(_foreach_temporaries(run, stage))
     out.update(_workspaces(run))
+    out.update(_rope_cache(run, stage))
     return out
+
+
+def _rope_cache(run: Run, stage: Num) -> dict[str, Buffer]:
+    """A rotary table the model code registers as a buffer (`--rope-cache`): torchtune's
+    RotaryPositionalEmbeddings.build_rope_cache stacks cos and sin of positions x rope_dim/2 angles in fp32.
+    torchtune 0.1 keeps one per layer (`_get_clones` deep-copies the first layer, its RoPE module with it); its
+    builders since 0.2 pass one module to every layer. Buffers are neither sharded by FSDP nor split by TP; a
+    pipeline stage holds the tables of its own layers (or the one shared table)."""
+    t, m = run.training, run.model
+    if not t.rope_cache_positions:
+        return {}
+    width = m.mla.qk_rope_dim if m.mla is not None else m.head_dim
+    one = 4 * t.rope_cache_positions * (width // 2) * 2
+    tables = stage_layers(m, run.pp, stage) if t.rope_cache_per_layer else 1
+    return {"rope_cache": Buffer(one * tables, ALL_PHASES, "the model's rotary cos/sin table(s), fp32")}
 
 
 # NCCL communicator memory (outside the caching allocator, so part of the runtime overhead, not of `stage_buffers`).

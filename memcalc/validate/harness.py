@@ -196,6 +196,12 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
             for mod in gpt.modules():
                 if isinstance(mod, RMSNorm):  # a fused kernel's intermediates are not allocations (_FusedRMSNorm)
                     mod.untracked = tracker.paused
+            if t.rope_cache_positions:
+                # the model code's rotary table(s) (--rope-cache): held, never read here (the harness computes
+                # cos/sin per forward). Plain attributes, not buffers: DDP would broadcast buffers every forward.
+                shape = (t.rope_cache_positions, gpt.head_dim // 2, 2)
+                for owner in (gpt.layers.values() if t.rope_cache_per_layer else [gpt]):
+                    owner.rope_cache = torch.zeros(shape, dtype=torch.float32, device=torch_device)
             return gpt
 
         model = new_gpt()
