@@ -37,7 +37,7 @@ CASES = [
      "published 8.5 GiB: docs/published-finetune.md row 15)",
      dict(model="llama-3.2-3b", lora_rank=64, lora_targets="q_proj,v_proj,output_proj,mlp", norm_impl="fp32",
           gqa_impl="expand", precision="bf16", master_weights=False, optimizer_impl="fused", recompute="full",
-          loss="chunked", offload_activations=True, gpu="a100-80gb", seq=4096, micro_batch=2)),
+          loss="chunked", offload_activations=True, rope_cache="131072", gpu="a100-80gb", seq=4096, micro_batch=2)),
 ]
 
 
