@@ -93,3 +93,53 @@ def test_replay_of_a_log():
     # after empty_cache: 12 (storage 1) + 32 (workspace) + 20 (storage 3's segment) = 64 MiB reserved at most;
     # allocated 12 + 32 + 8
     assert out == {"reserved_peak_bytes": 64 * MiB, "allocated_peak_bytes": 52 * MiB}
+
+
+# --- expandable_segments:True (allocator.ExpandableAllocator) ---------------------------------------------------
+def test_expandable_maps_whole_granules_and_extends_the_free_tail():
+    from memcalc.validate.allocator import ExpandableAllocator
+
+    a = ExpandableAllocator()
+    a.allocate(1, 30 * MiB)  # the large pool maps 20 MiB granules: 40 MiB for 30
+    assert a.reserved == 40 * MiB
+    a.allocate(2, 5 * MiB)  # best fit in the 10 MiB left mapped: nothing new
+    assert a.reserved == 40 * MiB
+    a.free(1)  # [0, 30) free, [30, 35) used, [35, 40) free
+    a.allocate(3, 31 * MiB)  # no free block fits: the free tail (5) plus 26 more, mapped as 40: 80 MiB
+    assert a.reserved == 80 * MiB and a.allocated == (5 + 31) * MiB
+    a.allocate(4, 30 * MiB)  # exactly the freed 30 MiB at the start (split at any remainder of 512 B or more)
+    assert a.reserved == 80 * MiB
+    a.free(4)
+    a.release_free_segments()  # empty_cache: the one granule wholly inside [0, 30) is unmapped
+    assert a.reserved == 60 * MiB
+
+
+def test_expandable_small_requests_map_2_mib_granules_and_split_at_512_bytes():
+    from memcalc.validate.allocator import ExpandableAllocator
+
+    a = ExpandableAllocator()
+    for k in range(5):
+        a.allocate(k, 512 * 1024)  # 2.5 MiB in the small pool: two 2 MiB granules
+    assert a.reserved == 4 * MiB
+    a.allocate("big", 11 * MiB)  # the large pool is another range: one 20 MiB granule
+    assert a.reserved == 24 * MiB
+    a.free("big")
+    a.allocate("big2", 19 * MiB + 512)  # fits the 20 MiB granule, 511.5 KiB left as a free block
+    assert a.reserved == 24 * MiB
+
+
+def test_expandable_varying_lengths_reuse_what_fixed_segments_strand():
+    """The ratchet of tests/test_validate_seqlen.py in miniature: logits-sized blocks for 448 then 512 tokens (2 x L
+    x 32,000 x 4 B). Without expandable segments the 512-token block cannot use the freed 448-token segment and
+    reserves its own; with them the freed range and the tail merge, so the second block maps only the difference."""
+    from memcalc.validate.allocator import ExpandableAllocator
+
+    n448, n512 = 2 * 448 * 32000 * 4, 2 * 512 * 32000 * 4
+    fixed, grown = CachingAllocator(), ExpandableAllocator()
+    for a in (fixed, grown):
+        a.allocate("w", 64 * MiB)  # something allocated before, as the weights are
+        a.allocate("l448", n448)
+        a.free("l448")
+        a.allocate("l512", n512)
+    assert fixed.reserved == 64 * MiB + segment_size(n448) + segment_size(n512)  # 64 + 110 + 126 MiB
+    assert grown.reserved == 20 * MiB * -(-(64 * MiB + n512) // (20 * MiB))  # 64 MiB + 125 MiB in 20 MiB granules

@@ -479,10 +479,12 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
 
     # the caching allocator replayed over the log, per stream, with cuBLAS's two workspaces (first forward and
     # first backward matmul): the reserved memory a GPU shows for these allocations (memcalc/validate/allocator.py)
-    allocator_replay = replay_log(tracker.events, tracker.marks,
-                                  {"forward": blas_workspace_bytes(run.hardware),
-                                   "backward": blas_workspace_bytes(run.hardware)},
-                                  tracker.streams, compute_stream)
+    workspaces = {"forward": blas_workspace_bytes(run.hardware), "backward": blas_workspace_bytes(run.hardware)}
+    allocator_replay = replay_log(tracker.events, tracker.marks, workspaces, tracker.streams, compute_stream)
+    # the same log under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (allocator.ExpandableAllocator)
+    allocator_replay["expandable_reserved_peak_bytes"] = replay_log(
+        tracker.events, tracker.marks, workspaces, tracker.streams, compute_stream,
+        expandable=True)["reserved_peak_bytes"]
 
     param_elems = sum((p._local_tensor if hasattr(p, "_local_tensor") else p).numel() for p in params)
     state_bytes = {"params": 0, "master_weights": 0, "grads": 0, "optimizer": 0}
