@@ -442,6 +442,10 @@ def build_run(o: RunOptions) -> Run:
         raise InputError(f"--mfu {o.mfu} must be in (0, 1]")
     rope_positions, rope_per_layer = _rope_cache(o.rope_cache)
     model, assumed = build_model(o)
+    if rope_positions and model.positions != "rotary":
+        name = model.display_name or model.name
+        raise InputError(f"--rope-cache {o.rope_cache} needs a model with rotary positions; {name} has "
+                         f"{model.positions} positions (valid here: none)")
     hardware = build_hardware(o)
     try:
         training = TrainingSpec(

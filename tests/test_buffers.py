@@ -521,3 +521,10 @@ def test_rope_cache_bad_values_exit_2(bad):
 
     code, out, err = cli("estimate", "--model", "llama-2-7b", "--rope-cache", bad)
     assert code == 2 and "--rope-cache" in err and "valid: none, N" in err and len(err.strip().splitlines()) == 1
+
+
+def test_rope_cache_needs_rotary_positions():
+    from tests.conftest import cli
+
+    code, _, err = cli("estimate", "--model", "gpt2", "--rope-cache", "1024")
+    assert code == 2 and "needs a model with rotary positions" in err and len(err.strip().splitlines()) == 1
