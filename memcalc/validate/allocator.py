@@ -247,7 +247,7 @@ class ExpandableAllocator:
             b.indexed = False
 
     def _split(self, b: _XBlock, size: int, state: str) -> _XBlock:
-        """Cut `b` after `size` bytes; the tail keeps b's state, which becomes `state`'s caller's business."""
+        """Cut `b` after `size` bytes; the tail becomes a block of its own in state `state` (b keeps its own)."""
         r = _XBlock(b.addr + size, b.size - size, state, b, b.next)
         if b.next is not None:
             b.next.prev = r
