@@ -111,3 +111,16 @@ def test_import_report_is_an_optional_inputs_key(tmp_path):
     assert d2["inputs"]["import_report"]["applied"]["zero"] == 3
     Estimate.model_validate(d2)  # still an Estimate under the published schema
     assert set(d2) == set(d)
+
+
+def test_plain_numbers_are_bytes_for_every_size_option():
+    """A size without a unit is a number of bytes, as the error message for a bad size says: `--runtime-overhead 0`
+    removes the runtime term, `--memory 85899345920` is 80 GiB written out (80 x 2^30)."""
+    base = cli_json(*FITS)
+    zero = cli_json(*FITS, "--runtime-overhead", "0")
+    assert zero["memory"]["components"]["runtime"] == 0
+    assert zero["memory"]["peak_bytes"] == base["memory"]["peak_bytes"] - base["memory"]["components"]["runtime"]
+    assert cli_json(*FITS, "--memory", "85899345920")["memory"]["capacity_bytes"] == 80 * 2**30
+    assert cli_json(*FITS, "--memory", "8.589934592e10")["memory"]["capacity_bytes"] == 80 * 2**30
+    code, _, err = cli(*FITS, "--memory", "-5")
+    assert code == 2 and err.count("\n") == 1 and "--memory '-5'" in err

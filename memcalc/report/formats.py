@@ -60,8 +60,7 @@ class Headroom:
             self.fraction = pct / 100
         else:
             try:
-                self.bytes = int(float(t)) if t.replace(".", "", 1).replace("e", "", 1).isdigit() else \
-                    parse_bytes(t, "--min-headroom")  # a plain number is bytes
+                self.bytes = parse_bytes(t, "--min-headroom")  # a plain number is bytes
             except InputError:
                 raise InputError(f"--min-headroom {text!r} is not valid; use e.g. 5GiB, 4GB or 10%") from None
 
