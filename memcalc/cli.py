@@ -151,6 +151,10 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "fragmentation": (Optional[float], None, _opt("--fragmentation", help="Allocator slack: fraction of the "
                       "compute stream's reserved memory left unallocated (default: the profile's; FSDP2's stream "
                       "pools and the stranded logits block are added on top).", panel=_T)),
+    "allocator": (str, "default", _opt("--allocator", help="PyTorch's CUDA caching allocator: default | "
+                  "expandable (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan launches): its "
+                  "fragmentation fraction (3% / 2%) and, on the default one, the first optimizer step's foreach "
+                  "temporaries that stay reserved.", panel=_T)),
     "mfu": (Optional[float], None, _opt("--mfu", help="Assumed model-FLOPs utilisation (default: the GPU's).",
             panel=_T)),
     "lora_rank": (Optional[int], None, _opt("--lora-rank", help="LoRA rank: base weights frozen, adapters train.",

@@ -36,7 +36,7 @@ FLAG_OF = {
     "gqa_impl": "--gqa-impl", "optimizer_impl": "--optimizer-impl", "offload_activations": "--offload-activations",
     "quantize_head": "--quantize-head", "lora_dropout": "--lora-dropout", "loss": "--loss", "dropout": "--dropout",
     "keep_logits": "--keep-logits", "peak_step": "--peak-step", "rope_cache": "--rope-cache",
-    "fragmentation": "--fragmentation",
+    "fragmentation": "--fragmentation", "allocator": "--allocator",
     "mfu": "--mfu", "gpus": "--gpus", "dp": "--dp", "tp": "--tp", "pp": "--pp", "vpp": "--vpp", "cp": "--cp",
     "ep": "--ep", "zero": "--zero", "offload": "--offload", "schedule": "--schedule",
     "mlp": "--mlp", "norm": "--norm", "tied_embeddings": "--tied-embeddings", "positions": "--positions",
@@ -58,6 +58,7 @@ CHOICES = {
     "loss": ("full", "fused", "chunked", "chunked-eager", "lit-gpt"),
     "keep_logits": ("none", "compute", "fp32"),
     "peak_step": ("steady", "first"),
+    "allocator": ("default", "expandable"),
     "offload": ("none", "optimizer", "params"),
     "schedule": ("1f1b", "interleaved", "gpipe", "pipedream", "pipedream-2bw"),
     "profile": PROFILES,
@@ -160,6 +161,7 @@ class RunOptions:
     foreach: bool | None = None
     optimizer_impl: str | None = None
     fragmentation: float | None = None
+    allocator: str = "default"
     mfu: float | None = None
     lora_rank: int | None = None
     lora_targets: str = "attn"
@@ -420,7 +422,7 @@ def build_run(o: RunOptions) -> Run:
     profile = check_choice("profile", o.profile)
     for field in ("precision", "grad_dtype", "optimizer", "recompute", "attention", "loss", "keep_logits", "peak_step",
                   "offload", "schedule", "lora_targets", "base_dtype", "dp_mode", "cp_comm", "quant_backend",
-                  "norm_impl", "qkv_impl", "gqa_impl", "optimizer_impl"):
+                  "norm_impl", "qkv_impl", "gqa_impl", "optimizer_impl", "allocator"):
         setattr(o, field, check_choice(field, getattr(o, field)))
     for flag, v in (("--gpus", o.gpus), ("--dp", o.dp), ("--tp", o.tp), ("--pp", o.pp), ("--vpp", o.vpp),
                     ("--cp", o.cp), ("--ep", o.ep), ("--seq", o.seq), ("--micro-batch", o.micro_batch),
@@ -457,7 +459,7 @@ def build_run(o: RunOptions) -> Run:
             offload_activations=o.offload_activations,
             norm_impl=o.norm_impl, qkv_impl=o.qkv_impl, gqa_impl=o.gqa_impl, lora_dropout=o.lora_dropout,
             dropout=o.dropout, foreach=o.foreach, optimizer_impl=o.optimizer_impl, fragmentation=o.fragmentation,
-            mfu=o.mfu,
+            allocator=o.allocator, mfu=o.mfu,
             lora_rank=o.lora_rank, lora_targets=o.lora_targets, lora_alpha=o.lora_alpha, base_dtype=o.base_dtype,
             double_quant=o.double_quant, quant_backend=o.quant_backend, quantize_head=o.quantize_head,
             freeze=_freeze_items(o.freeze), base_lr=o.base_lr, base_batch=o.base_batch,

@@ -240,6 +240,10 @@ class TrainingSpec(_Frozen):
     # fused (one in-place kernel: torch `fused=True`, Apex / TE / DeepSpeed FusedAdam); None: the profile's
     optimizer_impl: Literal["foreach", "for-loop", "fused"] | None = None
     fragmentation: float | None = Field(default=None, ge=0.0, lt=1.0)  # None: the allocator model's figure
+    # PyTorch's CUDA caching allocator: default (fixed segments) or expandable (PYTORCH_CUDA_ALLOC_CONF=
+    # expandable_segments:True, torchtitan's launcher); sets the default fraction and which structural terms the
+    # reserved figure carries (cost/fragmentation.py)
+    allocator: Literal["default", "expandable"] = "default"
     mfu: float | None = Field(default=None, gt=0.0, le=1.0)  # None: the GPU preset's default
     # fine-tuning (issue 7): LoRA adapters on frozen (optionally quantized) base weights, partial freezing
     lora_rank: int | None = Field(default=None, ge=1)

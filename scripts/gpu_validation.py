@@ -28,7 +28,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from memcalc.cost.fragmentation import EXPANDABLE_SEGMENTS_FRACTION as EXPANDABLE_FRACTION  # noqa: E402
 from memcalc.validate.compare import phase_allocated  # noqa: E402
 RECORD = ROOT / "docs" / "data" / "validation-cuda.json"
 
@@ -224,7 +223,7 @@ def run_all(path: Path, budget_s: float, timeout: float, only: list[int] | None,
                                     "failure": "not run: the device budget ran out", "seconds": 0})
             continue
         if expandable:  # memcalc's figure for expandable segments (memcalc/cost/fragmentation.py)
-            opts = dict(opts, fragmentation=EXPANDABLE_FRACTION)
+            opts = dict(opts, allocator="expandable")
         e = _entry(label, opts, world, case, min(timeout, left))
         e["id"] = i
         data["results"].append(e)
@@ -261,7 +260,7 @@ def predict(opts: dict[str, Any], expandable: bool = False) -> dict[str, Any]:
     from memcalc.options import RunOptions, build_run
 
     if expandable:
-        opts = dict(opts, fragmentation=EXPANDABLE_FRACTION)
+        opts = dict(opts, allocator="expandable")
     mem = estimate(build_run(RunOptions(**opts)), advice=False).memory
     return {"allocated": int(mem.allocated_peak_bytes), "phase": mem.peak_phase,
             "reserved": int(mem.reserved_peak_bytes), "phases": phase_allocated(mem)}
@@ -274,11 +273,12 @@ def replayed(opts: dict[str, Any], expandable: bool = False) -> int | None:
     """The caching allocator replayed over the configuration's allocations, run on fake tensors here (one rank, a
     pool per stream; memcalc/validate/allocator.py), with the default policy or expandable segments: reserved
     bytes, or None where the harness cannot run it on fake tensors (DDP, ZeroRedundancyOptimizer, data-dependent
-    shapes). One run serves both tables (the rows' options differ in --fragmentation, a prediction input only)."""
+    shapes). One run serves both tables (the rows' options differ in --fragmentation / --allocator, prediction
+    inputs only)."""
     from memcalc.options import RunOptions, build_run
     from memcalc.validate.api import validate
 
-    key = json.dumps({k: v for k, v in opts.items() if k != "fragmentation"}, sort_keys=True)
+    key = json.dumps({k: v for k, v in opts.items() if k not in ("fragmentation", "allocator")}, sort_keys=True)
     if key not in _REPLAYS:
         try:
             rep = validate(build_run(RunOptions(**opts)), device="meta", world="fake", timeout=300)
@@ -343,7 +343,8 @@ def cuda_section(data: dict[str, Any], expandable: dict[str, Any] | None = None)
            "- `allocated`: `torch.cuda.max_memory_allocated()` (the largest over the measured step's phases) against "
            "memcalc's allocated peak, cuBLAS workspaces included.",
            "- `reserved`: `torch.cuda.max_memory_reserved()` against allocated + fragmentation "
-           "(memcalc/cost/fragmentation.py).",
+           "(memcalc/cost/fragmentation.py; on the default allocator it includes the first optimizer step's foreach "
+           "temporaries left in segments of their own).",
            "- `GPU-only`: allocated minus the harness's exact tracked tensor bytes in the measured peak phase: the two "
            "cuBLAS workspaces (64 MiB) and what kernels allocate for themselves.",
            "- `replayed`: PyTorch's caching allocator replayed over the same configuration's allocations, run without "
@@ -355,8 +356,8 @@ def cuda_section(data: dict[str, Any], expandable: dict[str, Any] | None = None)
            "nor the MoE block's data-dependent shapes.", ""]
     out += _table(data, False)
     if expandable:
-        out += ["", "With `expandable_segments:True` (memcalc `--fragmentation 0.02`, its documented figure for it):",
-                ""]
+        out += ["", "With `expandable_segments:True` (memcalc `--allocator expandable`: its 2% fraction, no "
+                "first-step stranding):", ""]
         out += _table(expandable, True)
     out += ["", "Facts read on this GPU by the script's probe (memcalc/cost uses each):", ""]
     for k in ("cublas_workspace_first_matmul_bytes", "cublas_workspace_backward_thread_bytes", "rms_norm_ops",

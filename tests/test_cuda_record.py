@@ -36,20 +36,25 @@ PHASE_MISSES = {
                      "mask of the scores (128 MiB here, read per op with MEMCALC_CUDA_DIAG) and ~30 MiB more, "
                      "not modelled; the row's peak is a backward moment",
 }
-# default caching allocator: rows whose reserved figure memcalc (allocated + the documented fragmentation) misses
-# by more than 7%; `--fragmentation` overrides the fraction, and expandable segments bring every one of the rows
-# recorded with them within 1.5%
+# default caching allocator: rows whose reserved figure memcalc (allocated + the documented fragmentation + the
+# first optimizer step's stranded foreach temporaries) misses by more than 7%; expandable segments bring every one
+# of the rows recorded with them within 1.5%. The stranded temporaries moved rows 8 (-17.7% -> -2.2%), 18 (-13.1% ->
+# +2.3%) and 21 (-18.7% -> -4.8%) within 7%, row 2 from -24.0% and row 19 from -22.1%, and rows 9, 13 and 16 out,
+# above (+0.3%, -5.7%, -2.5% before): on small models later activations fit part of the temporaries' blocks
 RESERVED_MISSES = {
-    2: "-24%: FSDP2 ZeRO-3 over 8 ranks; the side streams' pools are as modelled (all-gather 954 MiB, reduce-scatter "
-       "3,262 MiB measured) but the compute stream reserves 19.05 GiB for a ~12.6 GiB peak (unsharded layers, "
-       "fp32 reduce-scatter inputs and recomputed activations carve its segments)",
-    8: "-18%: TP 4 + SP, one stream: 40.4 GiB reserved for a 32.4 GiB peak (sequence-sharded and gathered "
-       "activations of two sizes carve the segments)",
+    2: "-10.5% (-24.0% before the first step's temporaries): FSDP2 ZeRO-3 over 8 ranks; the side streams' pools "
+       "are as modelled (all-gather 954 MiB, reduce-scatter 3,262 MiB measured); the compute stream reserves 19.05 "
+       "GiB, of which 3.29 GiB is the first step's sqrt(v) list (replay, foreach minus fused), the rest unsharded "
+       "layers, fp32 reduce-scatter inputs and the loss's blocks carving its segments",
+    9: "+10.6% (+0.3% before): DDP; the replay strands 0.08 GiB of the first step's 0.91 GiB sqrt(v) list, whose "
+       "blocks the next steps' activations reuse (DDP's first-iteration buckets are freed when rebuilt)",
+    13: "+10.6% (-5.7% before): FSDP2 ZeRO-3 x TP 2; the replay strands 0.79 of the 1.57 GiB list, and replays "
+        "this layout 13.6% above the H100 (TP over the fake process group, not attributed)",
+    16: "+9.1% (-2.5% before): fp32 4-layer model; the replay strands 0.25 of the 0.95 GiB list: only its 16 MiB "
+        "blocks (q, k, v, o) are smaller than every later activation (32 MiB and up)",
     17: "-11%: fp32 GQA through SDPA's math fallback: its s x s fp32 probabilities carve the segments",
-    18: "-13%: MoE: per-expert token batches of varying sizes",
-    19: "-22%: activation offloading: 4.77 GiB reserved for a 3.36 GiB peak (reloaded blocks of every size)",
-    21: "-19%: fp32 GQA through SDPA's math fallback under full recompute: recomputed s x s blocks and the softmax "
-        "backward's scratch carve the segments",
+    19: "-10.6% (-22.1% before): activation offloading: 4.77 GiB reserved for a 3.36 GiB peak (reloaded blocks of "
+        "every size)",
 }
 
 
@@ -102,8 +107,9 @@ def test_expandable_segments_reserved_within_1_5pct(e):
 
 @pytest.mark.parametrize("e", _rows(DEFAULT, RESERVED_MISSES))
 def test_default_allocator_reserved_within_7pct(e):
-    """The default caching allocator: the documented 3% fraction plus the stranded logits block and FSDP2's
-    side-stream pools (memcalc/cost/fragmentation.py) against `max_memory_reserved()`. The rows in
+    """The default caching allocator: the documented 3% fraction plus the stranded logits block, the first
+    optimizer step's foreach temporaries and FSDP2's side-stream pools (memcalc/cost/fragmentation.py) against
+    `max_memory_reserved()`. The rows in
     RESERVED_MISSES are further off; each is a strict xfail with its measured cause."""
     m, p = gv.measured(e), gv.predict(e["opts"])
     assert abs(_err(p["reserved"], m["reserved"])) <= 0.07, (p["reserved"], m["reserved"])

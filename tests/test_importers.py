@@ -448,8 +448,8 @@ def test_torchtitan_llama3_8b_toml_is_the_equivalent_flags(tmp_path):
     imported = build_run(RunOptions(torchtitan_config=str(p), gpus=64))
     explicit = build_run(RunOptions(model="llama-3.1-8b", profile="torch", gpus=64, zero=3, micro_batch=1,
                                     grad_accum=1, seq=8192, recompute="op", optimizer="adamw",
-                                    precision="bf16", optimizer_impl="fused"))
-    assert imported == explicit
+                                    precision="bf16", optimizer_impl="fused", allocator="expandable"))
+    assert imported == explicit  # torchtitan's launcher sets expandable_segments:True
     r = apply_imports(RunOptions(torchtitan_config=str(p), gpus=64)).import_report
     assert unknown_keys(r) == {"training.turbo", "[warp_drive]"}
     assert {"[job]", "[profiling]", "[metrics]", "[checkpoint]", "[lr_scheduler]", "optimizer.lr",
@@ -506,7 +506,8 @@ selective_ac_option = "2"
     # FSDP with pp > 1 and the "default" reshard policy keeps params unsharded after forward -> ZeRO-2-like
     explicit = build_run(RunOptions(model="llama-3.1-70b", gpus=2 * 8 * 4, tp=8, pp=4, vpp=2, schedule="interleaved",
                                     sp=True, tp_overlap=True, zero=2, micro_batch=2, global_batch=64, seq=8192,
-                                    recompute="full", recompute_layers=10, optimizer="adamw", optimizer_impl="fused"))
+                                    recompute="full", recompute_layers=10, optimizer="adamw", optimizer_impl="fused",
+                                    allocator="expandable"))
     assert imported == explicit
 
 

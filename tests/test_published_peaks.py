@@ -9,9 +9,9 @@ What is compared:
   -> memcalc's allocated peak of the worst stage (no fragmentation, no runtime overhead).
 - torchtitan H100 benchmarks: "Memory(GiB)" = max over ranks of torch.cuda.max_memory_reserved() (torchtitan's
   metrics log max_reserved_gib), launched with expandable_segments:True (run_train.sh) -> memcalc's reserved peak
-  with the expandable-segments fraction: the compute stream's peak (with the bf16 logits' block it holds but
-  cannot use at the loss gradient) / (1 - f), plus FSDP2's all-gather and reduce-scatter stream pools (no runtime
-  overhead: it is outside the allocator).
+  with `allocator="expandable"` (the fraction EXPANDABLE_SEGMENTS_FRACTION, no first-step stranding): the
+  compute stream's peak (with the bf16 logits' block it holds but cannot use at the loss gradient) / (1 - f), plus
+  FSDP2's all-gather and reduce-scatter stream pools (no runtime overhead: it is outside the allocator).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import pytest
 
 from memcalc.cost.estimate import estimate
-from memcalc.cost.fragmentation import EXPANDABLE_SEGMENTS_FRACTION
 from memcalc.specs import HardwareSpec, ModelSpec, ParallelSpec, TrainingSpec, resolve
 
 GIB = 2**30
@@ -86,8 +85,7 @@ def megatron_alloc_gib(model: ModelSpec, tp: int, pp: int, dp: int, mbc: int, cp
 def torchtitan_reserved_gib(model: ModelSpec, gpus: int, lbs: int, seq: int, recompute: str, tp: int = 1,
                             cp: int = 1, precision: str = "bf16") -> float:
     """torchtitan FSDP2: fp32 sharded params, MixedPrecisionPolicy(bf16, reduce fp32), AdamW (foreach)."""
-    t = TrainingSpec(seq=seq, micro_batch=lbs, precision=precision, recompute=recompute,
-                     fragmentation=EXPANDABLE_SEGMENTS_FRACTION)
+    t = TrainingSpec(seq=seq, micro_batch=lbs, precision=precision, recompute=recompute, allocator="expandable")
     p = ParallelSpec(gpus=gpus, tp=tp, cp=cp, zero=3, sp=tp > 1)
     mem = estimate(resolve(model, t, p, H100_96, "torch"), advice=False).memory
     return max(s.reserved_peak_bytes for s in mem.stages) / GIB

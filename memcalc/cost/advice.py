@@ -87,6 +87,11 @@ def _candidates(run: Run) -> Iterator[Change]:
     if pp2 <= m.layers and run.dp % 2 == 0 and run.vpp == 1:
         yield (f"pipeline parallel {pp2}", f"--pp {pp2}" + _accum(run, 2),
                lambda r: r.replace(pp=pp2, dp=r.dp // 2, grad_accum=r.grad_accum * 2))
+    if t.allocator == "default":
+        # an environment variable: the caching allocator maps pages into growing segments instead of cutting fixed
+        # ones (cost/fragmentation.py), at no cost in compute
+        yield ("expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)", "--allocator expandable",
+               lambda r: r.replace(training=r.training.model_copy(update={"allocator": "expandable"})))
     if not t.offload_activations and m.layers > 2:
         yield ("activation offloading to host memory", "--offload-activations",
                lambda r: r.replace(training=r.training.model_copy(update={"offload_activations": True})))

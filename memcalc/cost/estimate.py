@@ -11,12 +11,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from memcalc import __version__
-from memcalc.cost.fragmentation import fragmentation_bytes, slack_bytes
+from memcalc.cost.fragmentation import first_step_stranded_bytes, fragmentation_bytes, slack_bytes
 from memcalc.cost.params import stage_layers, total_params, zero1_worst_dp_index
 from memcalc.cost.timeline import CATEGORIES, StageMemory, stage_memory
 from memcalc.specs import Run
 
-SCHEMA_VERSION = "1.20"
+SCHEMA_VERSION = "1.21"
 
 
 class _Out(BaseModel):
@@ -221,7 +221,8 @@ def stage_report(run: Run, stage: int) -> tuple[StageMemory, StageOut]:
     own = int(sm.compute_stream_peak)
     stranded = int(sm.loss_stranded_bytes)
     reserved_detail = {"compute_stream_allocated": own - stranded, "loss_stranded_logits": stranded,
-                       "allocator_slack": int(slack_bytes(run, own))}
+                       "allocator_slack": int(slack_bytes(run, own)),
+                       "first_step_optimizer_temporaries": int(first_step_stranded_bytes(run, sm))}
     reserved_detail.update({k: int(v) for k, v in sm.side_stream_pools.items()})
     out = StageOut(
         stage=stage,

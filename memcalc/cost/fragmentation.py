@@ -19,6 +19,12 @@ Side streams: the allocator associates every block with the stream that allocate
 to another stream (CUDACachingAllocator.cpp). Where a framework allocates on side streams (FSDP2:
 buffers.side_stream_pools) reserved memory is the compute stream's own peak / (1 - f) plus each side stream's pool,
 which the compute stream cannot reuse: reserved = compute_peak / (1 - f) + sum(pools) >= allocated.
+
+The first optimizer step (default allocator, torch.optim, foreach Adam): torch.optim creates its states in its
+first `step()`, after a forward and backward that reserved segments for activations only. The states take those
+blocks first; what the step needs beyond them, foreach Adam's sqrt(v) list first among it, comes from new
+segments cut to the per-parameter sizes of that list. Those segments stay reserved, and the later steps'
+activation requests are larger than their blocks: `first_step_stranded_bytes`.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any
 
 from memcalc.cost.timeline import StageMemory
 from memcalc.specs import Run
-from memcalc.xp import as_int
+from memcalc.xp import as_int, imax, imin
 
 Num = Any
 
@@ -40,8 +46,15 @@ EXPANDABLE_SEGMENTS_FRACTION = 0.02  # PYTORCH_CUDA_ALLOC_CONF=expandable_segmen
 
 
 def default_fraction(run: Run) -> Any:
-    """Fraction f of reserved memory that is not allocated, for the default caching allocator (a float, or an
-    array of floats when the shard degree is an array)."""
+    """Fraction f of reserved memory that is not allocated (a float, or an array of floats when the shard degree
+    is an array): EXPANDABLE_SEGMENTS_FRACTION with `--allocator expandable`, else the profile's."""
+    if run.training.allocator == "expandable":
+        return EXPANDABLE_SEGMENTS_FRACTION
+    return _profile_fraction(run)
+
+
+def _profile_fraction(run: Run) -> Any:
+    """The default caching allocator's fraction for the profile and layout."""
     if run.profile == "megatron":
         return MEGATRON_FRACTION
     if run.profile == "torch":
@@ -63,12 +76,35 @@ def slack_bytes(run: Run, compute_peak: Any) -> Any:
     return as_int(compute_peak * (f / (1.0 - f)))
 
 
+def first_step_stranded_bytes(run: Run, sm: StageMemory) -> Any:
+    """Bytes of foreach Adam's first-step sqrt(v) list left in segments of their own (elementwise on arrays).
+
+    Measured by replaying the caching allocator over the harness's allocation log (memcalc/validate/allocator.py,
+    `memcalc validate --world fake --device meta`): foreach minus fused AdamW, the same run otherwise, is 3.29 GiB
+    for Llama-2-7B under FSDP2 ZeRO-3 over 8 ranks with full recompute (the list: 3.14 GiB) and 6.01 GiB for
+    Llama-3.2-3B on one GPU, pure bf16, full recompute (5.96 GiB); nothing where the activations' segments hold the
+    states and the list (Llama-2-7B, ZeRO-3 over 8, no recompute). docs/methodology.md, "Fragmentation".
+
+    The first step reserved `before` = (highest forward or backward moment of the compute stream, less the
+    optimizer states it did not hold yet) / (1 - f). Its optimizer step needs `compute_stream_opt_peak`; the excess
+    comes from new segments, the states taking the old blocks first, so up to the whole list is in the new ones.
+    Only the default allocator (expandable segments map just the missing pages and merge the freed range), torch's
+    optimizers (DeepSpeed and Megatron create their states before training) and the steady-state reading."""
+    t = run.training
+    temps = sm.buffers_detail.get("foreach_adam_temporaries", 0)
+    if t.allocator != "default" or run.profile != "torch" or t.peak_step == "first":
+        return 0 * temps
+    f = fraction(run)
+    before = as_int((sm.compute_stream_fb_peak - sm.states.optimizer) * (1.0 / (1.0 - f)))
+    return imin(temps, imax(0 * temps, sm.compute_stream_opt_peak - before))
+
+
 def reserved_bytes(run: Run, sm: StageMemory) -> Any:
     """What `torch.cuda.max_memory_reserved()` would show for a stage (elementwise on arrays): the compute
-    stream's peak (with the blocks it holds but cannot use there, `loss_stranded_bytes`) / (1 - f) plus the
-    side streams' pools."""
+    stream's peak (with the blocks it holds but cannot use there, `loss_stranded_bytes`) / (1 - f), the first
+    optimizer step's stranded sqrt(v) list and the side streams' pools."""
     own = sm.compute_stream_peak
-    reserved = own + slack_bytes(run, own)
+    reserved = own + slack_bytes(run, own) + first_step_stranded_bytes(run, sm)
     for pool in sm.side_stream_pools.values():
         reserved = reserved + pool
     return reserved

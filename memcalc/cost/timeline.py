@@ -94,6 +94,10 @@ class StageMemory:
     side_stream_pools: dict[str, Num] = dataclasses.field(default_factory=dict)
     # the stranded logits block (activations.loss_stranded_bytes) as far as it raises compute_stream_peak
     loss_stranded_bytes: Num = 0
+    # the compute stream's own highest moment of forward and backward, and its optimizer step (fragmentation.py:
+    # what the first optimizer step finds reserved, and what it needs)
+    compute_stream_fb_peak: Num = 0
+    compute_stream_opt_peak: Num = 0
     # offloaded activations held in host memory for this rank (activations.StageActivations.host_bytes)
     host_activation_bytes: Num = 0
 
@@ -176,10 +180,12 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
         # block it cannot reuse there
         own_at = {ph: v - side_at.get(ph, 0) for ph, v in at.items()}
         own_grads = where(run.shard_degree > 1, 0 * grads, grads) if pools else grads
-        own, compute_stream_peak = _reserved_peak(run, s, act, own_at, own_grads, first_grads, shares, stranded)
+        own, compute_stream_peak, fb_peak, opt_peak = _reserved_peak(run, s, act, own_at, own_grads, first_grads,
+                                                                     shares, stranded)
         stranded = compute_stream_peak - own
     else:
         compute_stream_peak = _peak(phases)
+        fb_peak, opt_peak = imax(phases[0].total, phases[1].total), phases[2].total
     return StageMemory(
         stage=stage,
         states=s,
@@ -190,6 +196,8 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
         compute_stream_peak=compute_stream_peak,
         side_stream_pools=pools,
         loss_stranded_bytes=stranded,
+        compute_stream_fb_peak=fb_peak,
+        compute_stream_opt_peak=opt_peak,
         host_activation_bytes=act.host_bytes,
     )
 
@@ -250,15 +258,17 @@ def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, 
 
 
 def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
-                   shares: _Shares, stranded: Num) -> tuple[Num, Num]:
+                   shares: _Shares, stranded: Num) -> tuple[Num, Num, Num, Num]:
     """(highest total over every moment of the step, the same with `stranded` bytes added at the loss gradient:
-    the first backward's, and a later micro-batch's where there is one)."""
+    the first backward's, and a later micro-batch's where there is one; the highest forward or backward moment
+    with them; the optimizer step's total)."""
     fwd, bwd, opt, losses = _moments(run, s, act, at, grads, first_grads, shares)
-    peak = _total(opt)
+    fb = 0
     for m in fwd + bwd:
-        peak = imax(peak, _total(m))
+        fb = imax(fb, _total(m))
     at_loss = imax(_total(losses[0]) + stranded, _total(losses[1]) + where(run.grad_accum > 1, stranded, 0))
-    return peak, imax(peak, at_loss)
+    peak = imax(fb, _total(opt))
+    return peak, imax(peak, at_loss), imax(fb, at_loss), _total(opt)
 
 
 def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],

@@ -81,6 +81,10 @@ def import_torchtitan(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
     cfg, source = load_config(ref)
     imp = Imported(framework="torchtitan", source=source)
     imp.set("profile", "torch", default=True)
+    # torchtitan's launcher (run_train.sh) exports PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
+    imp.set("allocator", "expandable", default=True)
+    imp.notes.append("allocator: expandable segments, as torchtitan's run_train.sh launches (--allocator default "
+                     "if you launch otherwise)")
 
     def sec(name: str) -> dict[str, Any]:
         v = cfg.get(name, {})

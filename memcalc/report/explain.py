@@ -61,12 +61,15 @@ def render_explain(est: Estimate, run: Run, con: Console, units: str) -> None:
     rt = mem.components.get("runtime", 0)
     rd = dict(mem.reserved_detail)
     own, stranded = rd.pop("compute_stream_allocated"), rd.pop("loss_stranded_logits")
-    slack = rd.pop("allocator_slack")
+    slack, first = rd.pop("allocator_slack"), rd.pop("first_step_optimizer_temporaries", 0)
     f = fraction(run)
     parts = [f"compute-stream peak {format_bytes(own, units)}"]
     if stranded:
         parts.append(f"the logits' block stranded at the loss gradient {format_bytes(stranded, units)}")
     parts.append(f"allocator slack f/(1-f) = {f:g}/{1 - f:g} x those = {format_bytes(slack, units)}")
+    if first:
+        parts.append(f"the first optimizer step's foreach sqrt(v) list left in its own segments "
+                     f"{format_bytes(first, units)}")
     parts += [f"{k.replace('_', ' ')} pool {format_bytes(v, units)}" for k, v in rd.items()]
     _line(con, "reserved = " + " + ".join(parts) + f" = {format_bytes(mem.reserved_peak_bytes, units)}; "
                f"fragmentation = reserved - allocated = {format_bytes(frag, units)} (every micro-batch --seq tokens; "

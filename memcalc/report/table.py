@@ -72,6 +72,11 @@ def _component_notes(est: Estimate, run: Run) -> dict[str, str]:
     if pools:
         notes["fragmentation"] += (f", incl. {pools / UNIT_BYTES['GiB']:.2f} GiB held by FSDP2's all-gather and "
                                    "reduce-scatter streams")
+    first = est.memory.reserved_detail.get("first_step_optimizer_temporaries", 0)
+    if first:
+        notes["fragmentation"] += (f"{' and' if pools else ', incl.'} {first / UNIT_BYTES['GiB']:.2f} GiB left by "
+                                   "the first optimizer step's foreach temporaries (not with --allocator "
+                                   "expandable or a fused AdamW)")
     notes["runtime"] = "outside the allocator"
     return notes
 

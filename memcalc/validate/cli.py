@@ -59,12 +59,14 @@ def render(report: dict[str, Any]) -> str:
         lines.append("(collective bytes: the full buffer of every call in one step, summed; not ring-scaled)")
     rep = next((r for r in report["rows"] if r["section"] == "allocator_replay"), None)
     if rep:
-        expandable = m.get("allocator_replay", {}).get("expandable_reserved_peak_bytes")
+        replay = m.get("allocator_replay", {})
+        allocator = report.get("inputs", {}).get("training", {}).get("allocator", "default")
+        default, expandable = replay.get("reserved_peak_bytes"), replay.get("expandable_reserved_peak_bytes")
         lines.append(f"caching allocator replayed over these allocations (per stream): reserved "
-                     f"{_fmt_bytes(rep['measured'])}"
+                     f"{_fmt_bytes(default)}"
                      + (f" ({_fmt_bytes(expandable)} with expandable_segments:True)" if expandable else "")
                      + f"; memcalc's allocated + fragmentation {_fmt_bytes(rep['predicted'])} "
-                     f"({_fmt_err(rep['error'])})")
+                     f"({_fmt_err(rep['error'])} against the {allocator} allocator's)")
     cuda = report.get("cuda")
     if cuda:
         lines.append(f"on the GPU: max_memory_allocated {_fmt_bytes(cuda['measured_peak_bytes'])} "

@@ -227,8 +227,11 @@ def compare(est: Any, meas: dict[str, Any], device: str, tolerance: float,
     rep = meas.get("allocator_replay")
     if rep:
         # memcalc's reserved figure (allocated + fragmentation) against the caching allocator replayed over the
-        # run's own allocations (per stream): informative, outside the verdict
-        row("allocator_replay", "reserved", int(est.memory.reserved_peak_bytes), rep["reserved_peak_bytes"])
+        # run's own allocations (per stream), under the policy the run names (--allocator): informative, outside
+        # the verdict
+        expandable = est.inputs["training"].get("allocator") == "expandable"
+        key = "expandable_reserved_peak_bytes" if expandable else "reserved_peak_bytes"
+        row("allocator_replay", "reserved", int(est.memory.reserved_peak_bytes), rep[key])
         rows[-1]["verdict"] = "info"
     cuda = cuda_view(est, meas)
     if cuda is not None:
