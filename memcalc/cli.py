@@ -233,8 +233,9 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                 "times offloaded activations and optimizer offload.", panel=_H)),
     "latency": (Optional[float], None, _opt("--latency", help="Per-step collective latency, seconds.", panel=_H)),
     "memory": (Optional[str], None, _opt("--memory", help="Override GPU memory capacity (e.g. 80GiB).", panel=_H)),
-    "runtime_overhead": (Optional[str], None, _opt("--runtime-overhead", help="Memory outside the allocator (CUDA "
-                         "context, NCCL), e.g. 1GiB.", panel=_H)),
+    "runtime_overhead": (Optional[str], None, _opt("--runtime-overhead", help="Memory outside the allocator, all of it "
+                         "(CUDA context and every NCCL communicator), e.g. 1GiB. Default: the GPU preset's context and "
+                         "one communicator, plus one per further process group.", panel=_H)),
     "deepspeed_config": (Optional[str], None, _opt("--deepspeed-config", help="Read a DeepSpeed ds_config.json "
                          "(ZeRO stage, offload, precision, batch sizes); sets --profile deepspeed. Flags given "
                          "here win.", panel=_I)),

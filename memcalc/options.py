@@ -374,6 +374,7 @@ def build_hardware(o: RunOptions) -> HardwareSpec:
             raise InputError(f"--memory {o.memory!r} must be positive")
     if o.runtime_overhead is not None:
         upd["runtime_overhead_bytes"] = parse_bytes(o.runtime_overhead, "--runtime-overhead")
+        upd["runtime_overhead_is_total"] = True  # the flag gives the whole figure, NCCL included
     return hw.model_copy(update=upd) if upd else hw
 
 

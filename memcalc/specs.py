@@ -316,6 +316,9 @@ class HardwareSpec(_Frozen):
     host_bytes_per_s: float = Field(default=0.0, ge=0)
     latency_s: float = Field(default=5e-6, ge=0)
     runtime_overhead_bytes: int = Field(default=0, ge=0)
+    # True when runtime_overhead_bytes is the whole figure outside the allocator (`--runtime-overhead`, a measured
+    # value): no communicator is added for further process groups (cost/estimate.py runtime_bytes)
+    runtime_overhead_is_total: bool = False
     default_mfu: float = Field(default=0.4, gt=0, le=1)
     # compute architecture: "sm80", "sm90", ... (NVIDIA compute capability), "gfx942" (AMD); "" when unknown.
     # It sizes the BLAS workspaces (cost/buffers.py blas_workspace_bytes).

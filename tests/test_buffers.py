@@ -386,6 +386,19 @@ def test_extra_nccl_communicators():
     ]
 
 
+def test_runtime_overhead_given_as_the_whole_adds_no_communicator():
+    """`--runtime-overhead` states everything outside the allocator (its help: CUDA context and every NCCL
+    communicator), so a measured figure is not topped up with the further groups' communicators: 0 means 0."""
+    from memcalc.cost.estimate import runtime_bytes
+    from memcalc.options import RunOptions, build_run
+
+    tp2 = dict(params="7B", gpus=16, tp=2, pp=2)
+    preset = build_run(RunOptions(**tp2))
+    assert runtime_bytes(preset) == preset.hardware.runtime_overhead_bytes + (544 + 544) * MIB
+    assert runtime_bytes(build_run(RunOptions(**tp2, runtime_overhead="0"))) == 0
+    assert runtime_bytes(build_run(RunOptions(**tp2, runtime_overhead="3GiB"))) == 3 * 1024 * MIB
+
+
 def test_torch_pipelining_receive_buffers():
     # PipelineStage allocates a receive buffer per micro-batch for the activation from the previous stage and
     # one for the gradient from the next, for its lifetime, in the stream dtype. TINY, seq 128, mb 1, m = 8,

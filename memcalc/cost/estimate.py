@@ -16,7 +16,7 @@ from memcalc.cost.params import stage_layers, total_params, zero1_worst_dp_index
 from memcalc.cost.timeline import CATEGORIES, StageMemory, stage_memory
 from memcalc.specs import Run
 
-SCHEMA_VERSION = "1.21"
+SCHEMA_VERSION = "1.22"
 
 
 class _Out(BaseModel):
@@ -206,9 +206,12 @@ def _totals(run: Run, sm: StageMemory) -> tuple[int, int, int, Any]:
 
 def runtime_bytes(run: Run) -> Any:
     """Memory outside the caching allocator: the GPU preset's CUDA context + first NCCL communicator, plus one
-    communicator per further process group the layout creates (memcalc/cost/buffers.py). Array-polymorphic."""
+    communicator per further process group the layout creates (memcalc/cost/buffers.py), unless the figure was
+    given as the whole (`--runtime-overhead`). Array-polymorphic."""
     from memcalc.cost.buffers import extra_communicator_bytes
 
+    if run.hardware.runtime_overhead_is_total:
+        return run.hardware.runtime_overhead_bytes
     return run.hardware.runtime_overhead_bytes + extra_communicator_bytes(run)
 
 
