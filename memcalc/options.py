@@ -208,6 +208,7 @@ class RunOptions:
     gpus_per_node: int | None = None
     intra_bw: float | None = None
     host_bw: float | None = None
+    cpu_optimizer_rate: float | None = None
     inter_bw: float | None = None
     latency: float | None = None
     memory: str | None = None
@@ -363,7 +364,8 @@ def build_hardware(o: RunOptions) -> HardwareSpec:
         upd["gpus_per_node"] = o.gpus_per_node
     for flag, field, val in (("--intra-bw", "intra_node_bytes_per_s", o.intra_bw),
                              ("--inter-bw", "inter_node_bytes_per_s", o.inter_bw),
-                             ("--host-bw", "host_bytes_per_s", o.host_bw), ("--latency", "latency_s", o.latency)):
+                             ("--host-bw", "host_bytes_per_s", o.host_bw), ("--latency", "latency_s", o.latency),
+                             ("--cpu-optimizer-rate", "host_optimizer_params_per_s", o.cpu_optimizer_rate)):
         if val is not None:
             if val < 0 or (val == 0 and field != "latency_s"):
                 raise InputError(f"{flag} {val} must be positive")

@@ -314,6 +314,10 @@ class HardwareSpec(_Frozen):
     inter_node_bytes_per_s: float = Field(default=0.0, ge=0)
     # GPU <-> host copies (pinned memory), bytes/s per direction: the GPU's PCIe x16 link (0: not timed)
     host_bytes_per_s: float = Field(default=0.0, ge=0)
+    # offloaded optimizer step: AdamW parameters one node's host CPUs update per second with a vectorized one-pass
+    # kernel (DeepSpeedCPUAdam; torch's fused CPU AdamW). Sources and the slower torch for-loop step:
+    # cost/compute.py `cpu_optimizer_seconds`, docs/methodology.md "The CPU optimizer step"
+    host_optimizer_params_per_s: float = Field(default=1.8e9, gt=0)
     latency_s: float = Field(default=5e-6, ge=0)
     runtime_overhead_bytes: int = Field(default=0, ge=0)
     # True when runtime_overhead_bytes is the whole figure outside the allocator (`--runtime-overhead`, a measured

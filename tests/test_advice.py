@@ -35,10 +35,14 @@ def test_each_suggestion_is_the_command_it_prints(args):
     mem = doc["memory"]
     assert mem["advice"], args
     for a in mem["advice"]:
-        after = cli_json("estimate", *args, *a["flags"].split())["memory"]
+        changed = cli_json("estimate", *args, *a["flags"].split())
+        after = changed["memory"]
         assert after["peak_bytes"] == a["peak_bytes_after"], a["flags"]
         assert a["saves_bytes"] == mem["peak_bytes"] - a["peak_bytes_after"] > 0
         assert a["fits_after"] == after["fits"]
+        # its cost in throughput is that command's tokens/s per GPU
+        per_gpu = changed["compute"]["tokens_per_second"] / changed["inputs"]["parallel"]["gpus"]
+        assert a["tokens_per_second_per_gpu_after"] == pytest.approx(per_gpu, rel=1e-12) and per_gpu > 0
     if not mem["fits"]:  # changes that make it fit come first
         fits = [a["fits_after"] for a in mem["advice"]]
         assert fits == sorted(fits, reverse=True)

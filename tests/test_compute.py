@@ -7,6 +7,7 @@ import pytest
 
 from memcalc.cost import comm, compute
 from memcalc.cost.estimate import estimate
+from memcalc.cost.states import model_states
 from memcalc.errors import InputError
 from memcalc.specs import HardwareSpec, ModelSpec, MoESpec, ParallelSpec, TrainingSpec, resolve
 
@@ -146,6 +147,43 @@ def test_hand_computed_step_time():
     assert compute.achieved_mfu(r) == pytest.approx(flops / (step * 100e12 * 4))  # ~0.485
     out = estimate(r, advice=False).compute
     assert out.modelled and out.step_seconds == pytest.approx(step) and out.mfu == pytest.approx(0.4853, abs=1e-4)
+
+
+def test_offloaded_optimizer_step_is_timed_per_node():
+    """The CPU optimizer step (compute.cpu_optimizer_seconds): the rank's stepped shard x the ranks sharing its
+    node / the node's rate. The small model of test_hand_computed_step_time over 16 GPUs, 8 per node, ZeRO-2 with
+    optimizer offload. P = 20,980,736 trainable parameters (test_hand_computed_step_time); DeepSpeed's flat
+    partition steps ceil(P / 16) = 1,311,296 per rank; 8 ranks per node at DeepSpeedCPUAdam's 1.8e9/s:
+    1,311,296 x 8 / 1.8e9 = 5.828e-3 s."""
+    m = ModelSpec(name="small", hidden=512, layers=4, heads=8, ffn=2048, vocab=8192, mlp="gelu", norm="layernorm")
+    hw = HardwareSpec(name="toy", memory_bytes=2**34, flops={"bf16": 100e12}, gpus_per_node=8,
+                      intra_node_bytes_per_s=100e9, inter_node_bytes_per_s=10e9, latency_s=1e-5)
+    kw = dict(hw=hw, dp=16, seq=1024, micro_batch=2, grad_accum=4, zero=2, precision="bf16")
+    ds = make(m, profile="deepspeed", offload="optimizer", **kw)
+    shard = -(-20_980_736 // 16)
+    assert shard == 1_311_296
+    assert compute.cpu_optimizer_seconds(ds) == pytest.approx(shard * 8 / 1.8e9)
+    # the step adds it, exposed; without offload it is 0 and the step is the rest
+    base = compute.compute_seconds(ds) + compute.bubble_seconds(ds) + compute.exposed_comm_seconds(ds)
+    assert compute.step_seconds(ds) == pytest.approx(base + shard * 8 / 1.8e9)
+    assert compute.cpu_optimizer_seconds(make(m, profile="deepspeed", **kw)) == 0
+    out = estimate(ds, advice=False).compute
+    assert out.cpu_optimizer_seconds == pytest.approx(shard * 8 / 1.8e9)
+    assert out.step_seconds == pytest.approx(out.compute_seconds + out.bubble_seconds + out.exposed_comm_seconds
+                                             + out.cpu_optimizer_seconds)
+    # torch.optim on CPU tensors takes its for-loop step, 5x slower, unless fused
+    torch_r = make(m, profile="torch", offload="optimizer", **kw)
+    torch_shard = model_states(torch_r).stepped_params  # FSDP2's per-tensor shards, each padded on dim 0
+    assert shard <= torch_shard < shard + 16 * 100
+    assert compute.cpu_optimizer_seconds(torch_r) == pytest.approx(torch_shard * 8 / (1.8e9 / 5))
+    fused = make(m, profile="torch", offload="optimizer", optimizer_impl="fused", **kw)
+    assert compute.cpu_optimizer_seconds(torch_r) == pytest.approx(5 * compute.cpu_optimizer_seconds(fused))
+    # a faster host halves it; one GPU alone has the node to itself
+    fast = make(m, profile="deepspeed", offload="optimizer", **{**kw, "hw": hw.model_copy(
+        update={"host_optimizer_params_per_s": 3.6e9})})
+    assert compute.cpu_optimizer_seconds(fast) == pytest.approx(compute.cpu_optimizer_seconds(ds) / 2)
+    one = make(m, profile="deepspeed", offload="optimizer", **{**kw, "dp": 1, "zero": 1})
+    assert compute.cpu_optimizer_seconds(one) == pytest.approx(20_980_736 / 1.8e9)
 
 
 def test_unknown_peak_is_said_not_guessed():

@@ -106,8 +106,16 @@ def _candidates(run: Run) -> Iterator[Change]:
                lambda r: r.replace(gpus=r.gpus * 2, dp=r.dp * 2, global_batch=r.global_batch * 2))
 
 
+def tokens_per_second_per_gpu(run: Run) -> float:
+    """The time model's throughput per GPU (0.0 where the GPU's peak FLOP/s is unknown)."""
+    from memcalc.cost.compute import peak_flops_per_gpu, tokens_per_second
+
+    return float(tokens_per_second(run)) / run.gpus if peak_flops_per_gpu(run) > 0 else 0.0
+
+
 def advise(run: Run, peak: int, limit: int = 3) -> list:
-    """Up to `limit` single changes that reduce the worst stage's peak, those that make it fit first."""
+    """Up to `limit` single changes that reduce the worst stage's peak, those that make it fit first; each with
+    its peak and its throughput per GPU after the change, both from re-running the model."""
     from memcalc.cost.estimate import Advice, peak_bytes
 
     capacity = run.hardware.memory_bytes
@@ -115,13 +123,15 @@ def advise(run: Run, peak: int, limit: int = 3) -> list:
     out: list[Advice] = []
     for desc, flags, change in _candidates(run):
         try:
-            after = peak_bytes(change(run))
+            changed = change(run)
+            after = peak_bytes(changed)
         except (ValueError, ZeroDivisionError):
             continue
         if peak - after < max(MIN_SAVING_BYTES, peak // 100):
             continue  # not worth suggesting: under 1% of the peak (or 64 MiB)
         out.append(Advice(change=desc, flags=flags, saves_bytes=peak - after, peak_bytes_after=after,
-                          fits_after=after <= capacity))
+                          fits_after=after <= capacity, tokens_per_second_per_gpu_after=tokens_per_second_per_gpu(
+                              changed)))
     if fits_now:
         return out[:limit]
     fitting = [a for a in out if a.fits_after]

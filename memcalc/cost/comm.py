@@ -794,7 +794,8 @@ def _host_copies(run: Run, stage: Num) -> list[_Term]:
     Optimizer offload (ZeRO-Offload, Ren et al. 2021 sec. 4): the rank's gradient shard goes to the host for the
     CPU step, overlapped with the last backward, and the updated parameter shard comes back before the next
     forward, exposed; `--offload params` (ZeRO-Infinity) also brings the parameter shard in for every forward and
-    backward of every micro-batch, prefetched behind them. The CPU optimizer step's own time is not modelled."""
+    backward of every micro-batch, prefetched behind them. The CPU optimizer step itself is compute.py's
+    `cpu_optimizer_seconds`."""
     from memcalc.cost.activations import stage_activations
     from memcalc.cost.states import model_states
 
@@ -867,7 +868,8 @@ def _totals(run: Run, terms: list[_Term]) -> tuple[Num, Num]:
     return total, exposed
 
 
-def _candidate_stages(run: Run) -> list[Num]:
+def candidate_stages(run: Run) -> list[Num]:
+    """The stages that can be a pipeline's worst: the first, the second and the last (array-capable)."""
     cands = [0 * run.pp, imin(1, run.pp - 1), run.pp - 1]
     if type(run.pp) is int:  # scalar run: evaluate each distinct stage once (order kept for tie-breaking)
         return list(dict.fromkeys(cands))
@@ -876,7 +878,7 @@ def _candidate_stages(run: Run) -> list[Num]:
 
 def worst_stage(run: Run) -> tuple[Num, Num, Num]:
     """(stage, communication seconds, exposed seconds) of the worst rank: most exposed, then most total."""
-    cands = _candidate_stages(run)
+    cands = candidate_stages(run)
     best = cands[0]
     b_tot, b_exp = _totals(run, stage_terms(run, best))
     for s in cands[1:]:
@@ -977,7 +979,7 @@ def comm_notes(run: Run) -> list[str]:
                      + ("" if hw.host_bytes_per_s > 0 else " (unknown for this GPU: not timed; --host-bw)")
                      + "; they overlap the forward / backward on their own link")
     if run.offload != "none":
-        notes.append("optimizer offload: the CPU optimizer step's time is not modelled")
+        notes.append("optimizer offload: the CPU optimizer step is timed in compute (cpu_optimizer_seconds)")
     if run.model.moe is not None and run.tp > 1 and not run.sp:
         notes.append("MoE with TP and no SP: every TP rank dispatches all its tokens (no token split over TP)")
     return notes

@@ -41,7 +41,7 @@ from memcalc.cost.params import (
 )
 from memcalc.errors import InputError
 from memcalc.specs import Run, freeze_layers
-from memcalc.xp import imin
+from memcalc.xp import imax, imin
 
 Num = Any
 
@@ -277,10 +277,48 @@ def comm_seconds_per_step(run: Run) -> Num:
     return comm.comm_seconds_per_step(run)
 
 
+# The offloaded optimizer step runs on the host CPUs between the last backward and the next forward, exposed:
+# ZeRO-Offload (Ren et al. 2021 sec. 4.1) overlaps it only with its delayed parameter update, which DeepSpeed's
+# configs do not expose; FSDP2's CPUOffloadPolicy and Megatron's HybridDeviceOptimizer
+# (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py) call the CPU optimizer's step() in the step too.
+# Every rank of a node steps its shard at the same time, so they share the node's CPUs and memory bandwidth: the
+# rate is per node (`hardware.host_optimizer_params_per_s`, default 1.8e9 AdamW parameters/s). Published rates of
+# DeepSpeedCPUAdam: 11.6B parameters in 8.2 s on one host (1.4e9/s; DeepSpeed PR #735), Qwen-72B over 4 A100
+# nodes in ~10 s (1.8e9/s per node; DeepSpeed issue #6834), GLM-4.5-Air (106B) over 4 H100 nodes in 9.6 s under
+# the profiler (2.8e9/s per node; THUDM/slime issue #1139). torch.optim on CPU tensors picks the for-loop step
+# (`_default_to_fused_or_foreach` offers foreach and fused on accelerators only): 56 s where DeepSpeedCPUAdam took
+# 8.2 s (PR #735, torch 1.7), and 5.0x slower than `fused=True` measured here with torch 2.13 (AdamW, 128M fp32
+# parameters, 2 cores: 0.47e9 vs 2.34e9/s). So the torch and megatron profiles run at a fifth of the rate unless
+# `--optimizer-impl fused`. Other optimizers are timed like AdamW (an upper bound: they touch fewer bytes).
+TORCH_CPU_FORLOOP_SLOWDOWN = 5.0
+
+
+def cpu_optimizer_rate(run: Run) -> float:
+    """Parameters per second one node's CPUs step for this run's offloaded optimizer."""
+    rate = float(run.hardware.host_optimizer_params_per_s)
+    vectorized = run.profile == "deepspeed" or run.training.optimizer_impl == "fused"
+    return rate if vectorized else rate / TORCH_CPU_FORLOOP_SLOWDOWN
+
+
+def cpu_optimizer_seconds(run: Run) -> Num:
+    """Time of the offloaded optimizer step (0 without offload): the largest stage's stepped shard times the
+    ranks sharing a node, at the node's rate (array-capable)."""
+    if run.offload == "none":
+        return 0.0 * run.gpus
+    from memcalc.cost.comm import candidate_stages
+    from memcalc.cost.states import model_states
+
+    shard: Num = 0
+    for stage in candidate_stages(run):
+        shard = imax(shard, model_states(run, stage).stepped_params)
+    ranks_per_node = imin(run.hardware.gpus_per_node, run.gpus)
+    return shard * ranks_per_node / cpu_optimizer_rate(run)
+
+
 def step_seconds(run: Run) -> Num:
-    """compute + pipeline bubble + exposed communication (DESIGN section 6)."""
+    """compute + pipeline bubble + exposed communication + the offloaded optimizer step (DESIGN section 6)."""
     _require_peak(run)
-    return compute_seconds(run) + bubble_seconds(run) + exposed_comm_seconds(run)
+    return compute_seconds(run) + bubble_seconds(run) + exposed_comm_seconds(run) + cpu_optimizer_seconds(run)
 
 
 def tokens_per_second(run: Run) -> Num:
@@ -319,6 +357,12 @@ def compute_notes(run: Run) -> list[str]:
         notes.append(f"recompute {t.recompute}: +{extra} per recomputed layer; not counted in the achieved MFU")
     if t.precision == "fp8" and "fp8" in run.hardware.flops:
         notes.append("fp8: all matmuls timed at the fp8 peak")
+    if run.offload != "none":
+        rate = cpu_optimizer_rate(run)
+        kind = ("DeepSpeedCPUAdam" if run.profile == "deepspeed" else "torch.optim fused on CPU"
+                if t.optimizer_impl == "fused" else "torch.optim's for-loop step on CPU, 5x slower than fused")
+        notes.append(f"offloaded optimizer step: the node's CPUs update {rate:.3g} parameters/s ({kind}; "
+                     "--cpu-optimizer-rate sets the vectorized rate), shared by its ranks, exposed")
     return notes
 
 
@@ -334,6 +378,7 @@ def compute_out(run: Run, colls: list[Any]) -> Any:
         return Compute(
             modelled=False, flops_per_step=flops, flops_per_token=flops / tokens, tokens_per_step=tokens,
             compute_seconds=0.0, bubble_seconds=0.0, exposed_comm_seconds=float(exposed_comm_seconds(run)),
+            cpu_optimizer_seconds=float(cpu_optimizer_seconds(run)),
             step_seconds=0.0, tokens_per_second=0.0, mfu=0.0, assumed_mfu=assumed_mfu(run),
             model_flops_per_step=model_flops, peak_flops_per_gpu=0.0,
             notes=[f"no peak FLOP/s for {run.recipe.compute_dtype} in hardware {run.hardware.name!r}: "
@@ -342,7 +387,8 @@ def compute_out(run: Run, colls: list[Any]) -> Any:
     comp = float(compute_seconds(run))
     bubble = float(bubble_seconds(run))
     exposed = float(exposed_comm_seconds(run))
-    step = comp + bubble + exposed
+    cpu_step = float(cpu_optimizer_seconds(run))
+    step = comp + bubble + exposed + cpu_step
     return Compute(
         modelled=True,
         flops_per_step=flops,
@@ -351,6 +397,7 @@ def compute_out(run: Run, colls: list[Any]) -> Any:
         compute_seconds=comp,
         bubble_seconds=bubble,
         exposed_comm_seconds=exposed,
+        cpu_optimizer_seconds=cpu_step,
         step_seconds=step,
         tokens_per_second=tokens / step,
         mfu=model_flops / (step * peak * run.gpus),

@@ -50,6 +50,9 @@ class Advice(_Out):
     saves_bytes: int
     peak_bytes_after: int
     fits_after: bool
+    # the time model's tokens/s per GPU with the change (compute.py; 0.0 where the GPU's peak FLOP/s is unknown):
+    # what the change costs in throughput, next to `compute.tokens_per_second / gpus` without it
+    tokens_per_second_per_gpu_after: float = 0.0
 
 
 class Memory(_Out):
@@ -111,12 +114,13 @@ class Compute(_Out):
     compute_seconds: float
     bubble_seconds: float
     exposed_comm_seconds: float
-    step_seconds: float
+    step_seconds: float  # compute + bubble + exposed communication + the offloaded optimizer step
     tokens_per_second: float
     mfu: float
     assumed_mfu: float
     model_flops_per_step: float = 0.0  # without recompute: the numerator of `mfu`
     peak_flops_per_gpu: float = 0.0
+    cpu_optimizer_seconds: float = 0.0  # the offloaded optimizer step on the host CPUs (compute.py), exposed
     notes: list[str] = []
 
 

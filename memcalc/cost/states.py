@@ -62,6 +62,7 @@ class ModelStates:
     trainable_params: Num = 0  # elements that receive gradients on this rank (before ZeRO)
     frozen_params_bytes: Num = 0  # frozen (possibly quantized) weights, included in `params`
     ps_server: Num = 0  # parameter-server mode: bytes on the server per worker's model (not on this GPU)
+    stepped_params: Num = 0  # elements this rank's optimizer steps (its ZeRO shard of the trainable ones)
 
     @property
     def total(self) -> Num:
@@ -241,4 +242,5 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
         trainable_params=n,
         frozen_params_bytes=frozen,
         ps_server=ps_server,
+        stepped_params=opt_elems,
     )

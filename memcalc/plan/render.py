@@ -54,19 +54,16 @@ def _config_table(title: str, rows: list[dict[str, Any]], units: str, ranked: bo
         cells = [str(i)] if ranked else []
         if show_gpus:
             cells.append(str(lay["gpus"]))
-        # offload: the CPU optimizer step is not in the time model, so step time and tokens/s are bounds
-        mark = OFFLOAD_MARK if lay["offload"] != "none" else ""
         cells += [_layout(lay), _opts(lay), f"{lay['micro_batch']}x{lay['grad_accum']}", _b(f["peak_bytes"], units),
-                  _b(f["headroom_bytes"], units), f"{f['step_seconds']:,.2f}{mark}", _k(f["tokens_per_second"]) + mark,
-                  f"{f['mfu']:.1%}{mark}"]
+                  _b(f["headroom_bytes"], units), f"{f['step_seconds']:,.2f}", _k(f["tokens_per_second"]),
+                  f"{f['mfu']:.1%}"]
         t.add_row(*cells)
     return t
 
 
 PARETO_ROWS = 12
-OFFLOAD_MARK = "†"
-OFFLOAD_NOTE = (f"{OFFLOAD_MARK} offload (off-opt, off-par): the CPU optimizer step's own time is not modelled (the "
-                "host copies are), so step s is a lower bound and tok/s and MFU upper bounds")
+OFFLOAD_NOTE = ("offload (off-opt, off-par): step s includes the CPU optimizer step at an assumed host rate "
+                "(--cpu-optimizer-rate, parameters/s per node)")
 
 
 def render_plan(result: dict[str, Any], units: str = "GiB", console: Console | None = None) -> None:

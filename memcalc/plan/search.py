@@ -18,7 +18,8 @@ How the search runs (no per-configuration Python object, log line or string in t
    the first one over the budget are dropped (`pruned_micro_batch`); layouts that failed round 1 are never
    evaluated again.
 4. Step time, tokens/s and MFU are computed (in bulk, once per group) only for what fits, by the compute model's
-   array-polymorphic `step_seconds` (compute + bubble + exposed communication, memcalc/cost/compute.py).
+   array-polymorphic `step_seconds` (compute + bubble + exposed communication + the CPU
+   optimizer step under offload, memcalc/cost/compute.py).
 5. Ranking by the objective and the memory-vs-throughput Pareto front are numpy sorts. Only the top K are turned
    into options, re-resolved by `build_run` and re-run through `estimate`, so that the plan's memory,
    communication and compute blocks are exactly what `memcalc estimate --json` prints for its command.
@@ -357,8 +358,8 @@ _OFFLOAD_RANK = {"none": 0, "optimizer": 1, "params": 2}
 
 
 def ranked(res: SearchResult) -> np.ndarray:
-    """Indices into res.feasible, best first by the objective. Ties in throughput go first to no offload (the
-    CPU optimizer step of offload is not in the time model, memcalc/cost/comm.py), then to the lower peak."""
+    """Indices into res.feasible, best first by the objective. Ties in throughput go first to no offload (its
+    CPU step runs at an assumed host rate, memcalc/cost/compute.py), then to the lower peak."""
     f, s = res.feasible, res.space
     if f.size == 0:
         return np.zeros(0, dtype=np.int64)

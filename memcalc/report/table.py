@@ -224,11 +224,10 @@ def _render_comm_compute(est: Estimate, con: Console, units: str) -> None:
     if comp.modelled:
         con.print(Text(f"compute: {comp.flops_per_step:.3g} FLOP/step · step {comp.step_seconds:,.2f} s "
                        f"(compute {comp.compute_seconds:,.2f} s, bubble {comp.bubble_seconds:,.2f} s, exposed comm "
-                       f"{comp.exposed_comm_seconds:,.2f} s) · {comp.tokens_per_second:,.0f} tokens/s · MFU "
+                       f"{comp.exposed_comm_seconds:,.2f} s"
+                       + (f", CPU optimizer step {comp.cpu_optimizer_seconds:,.2f} s" if comp.cpu_optimizer_seconds
+                          else "") + f") · {comp.tokens_per_second:,.0f} tokens/s · MFU "
                        f"{comp.mfu:.1%} (assumed kernel efficiency {comp.assumed_mfu:.0%})", style="dim"))
-        if est.inputs["parallel"]["offload"] != "none":
-            con.print(Text("offload: the CPU optimizer step's own time is not modelled (the host copies are): the "
-                           "step time is a lower bound", style="yellow"))
     else:
         con.print(Text("compute: not modelled yet", style="yellow"))
 
@@ -252,7 +251,12 @@ def _render_verdict(est: Estimate, con: Console, units: str) -> None:
         head = "What would help:" if not mem.fits else "Ways to lower the peak:"
         con.print(head)
         width = max(len(a.flags) for a in mem.advice)
+        comp = est.compute
+        per_gpu = comp.tokens_per_second / est.inputs["parallel"]["gpus"] if comp.modelled else 0.0
         for a in mem.advice:
             verdict = "fits" if a.fits_after else "still short"
+            # what the change costs, from the time model (kernel efficiency held at the assumed figure)
+            cost = (f"; tokens/s per GPU {a.tokens_per_second_per_gpu_after / per_gpu - 1:+.0%}"
+                    if per_gpu > 0 and a.tokens_per_second_per_gpu_after > 0 else "")
             con.print(f"  {a.flags:<{width}}  {a.change}: saves {format_bytes(a.saves_bytes, units)} → "
-                      f"{format_bytes(a.peak_bytes_after, units)} ({verdict})", markup=False)
+                      f"{format_bytes(a.peak_bytes_after, units)} ({verdict}){cost}", markup=False)
