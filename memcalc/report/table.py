@@ -68,15 +68,15 @@ def _component_notes(est: Estimate, run: Run) -> dict[str, str]:
         host = est.memory.host_activation_bytes / UNIT_BYTES["GiB"]
         notes["activations"] = f"layers' saved tensors offloaded: {host:.2f} GiB in host memory, 2 layers resident"
     notes["fragmentation"] = "caching allocator: reserved - allocated"
-    pools = sum(v for k, v in est.memory.reserved_detail.items() if k.endswith("_stream"))
-    if pools:
-        notes["fragmentation"] += (f", incl. {pools / UNIT_BYTES['GiB']:.2f} GiB held by FSDP2's all-gather and "
-                                   "reduce-scatter streams")
     first = est.memory.reserved_detail.get("first_step_optimizer_temporaries", 0)
     if first:
-        notes["fragmentation"] += (f"{' and' if pools else ', incl.'} {first / UNIT_BYTES['GiB']:.2f} GiB left by "
-                                   "the first optimizer step's foreach temporaries (not with --allocator "
-                                   "expandable or a fused AdamW)")
+        notes["fragmentation"] += (f", incl. {first / UNIT_BYTES['GiB']:.2f} GiB left by the first optimizer step's "
+                                   "foreach temporaries (not with --allocator expandable or a fused AdamW)")
+    pools = sum(v for k, v in est.memory.reserved_detail.items() if k.endswith("_stream"))
+    if pools:
+        # the pools are reserved, and at the peak partly allocated (their blocks in use): not all of them is here
+        notes["fragmentation"] += (f"; reserved holds {pools / UNIT_BYTES['GiB']:.2f} GiB of FSDP2's all-gather and "
+                                   "reduce-scatter stream pools, partly in use at the peak")
     notes["runtime"] = "outside the allocator"
     return notes
 
