@@ -278,9 +278,9 @@ def comm_seconds_per_step(run: Run) -> Num:
 
 
 # The offloaded optimizer step runs on the host CPUs between the last backward and the next forward, exposed:
-# ZeRO-Offload (Ren et al. 2021 sec. 4.1) overlaps it only with its delayed parameter update, which DeepSpeed's
-# configs do not expose; FSDP2's CPUOffloadPolicy and Megatron's HybridDeviceOptimizer
-# (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py) call the CPU optimizer's step() in the step too.
+# DeepSpeed's ZeRO optimizer runs its CPU Adam inside step(), as FSDP2's CPUOffloadPolicy and Megatron's
+# HybridDeviceOptimizer (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py) run theirs; ZeRO-Offload's
+# one-step delayed parameter update (Ren et al. 2021 sec. 5), which would overlap it, is not assumed.
 # Every rank of a node steps its shard at the same time, so they share the node's CPUs and memory bandwidth: the
 # rate is per node (`hardware.host_optimizer_params_per_s`, default 1.8e9 AdamW parameters/s). Published rates of
 # DeepSpeedCPUAdam: 11.6B parameters in 8.2 s on one host (1.4e9/s; DeepSpeed PR #735), Qwen-72B over 4 A100
