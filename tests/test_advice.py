@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import cli_json
+from tests.conftest import cli, cli_json
 
 # GPT-2 on a 24 GB card with 12 x 1024 tokens per micro-batch: the logits (50,257 wide) are a large share
 GPT2_LOOP = ("--model", "gpt2", "--seq", "1024", "--micro-batch", "12", "--gpu", "rtx-4090")
@@ -89,3 +89,53 @@ def test_a_loop_that_keeps_its_logits_is_told_to_drop_them():
     assert comp["allocated_peak_bytes"] - none["allocated_peak_bytes"] == 2 * 12 * 1024 * 50257
     assert comp["peak_bytes"] == none["peak_bytes"]
     assert "--keep-logits none" not in [a["flags"] for a in comp["advice"]]
+
+
+# where the single changes do not fit, or only a costly one does: the cheapest changes stacked on the same GPUs
+STACKED = [
+    # ZeRO-1 -> 2 is 1.8 GiB short and only optimizer offload fits alone (its CPU step costs 99% of the
+    # throughput); ZeRO-2 then ZeRO-3 fits at no cost (the experts' states shard over dp*cp/ep = 1 until then)
+    ("--model", "mixtral-8x7b", "--gpus", "16", "--ep", "8", "--tp", "2", "--zero", "1"),
+    # 70B on one node: nothing fits alone; the cheapest changes in the advice's order, stacked, do
+    ("--model", "llama-3.1-70b", "--gpus", "8", "--zero", "3"),
+]
+
+
+@pytest.mark.parametrize("args", STACKED, ids=lambda a: " ".join(a[:2]))
+def test_stacked_changes_are_the_command_they_print(args):
+    doc = cli_json("estimate", *args)
+    mem = doc["memory"]
+    c = mem["advice_combined"]
+    assert not mem["fits"] and c is not None and c["fits_after"]
+    changed = cli_json("estimate", *args, *c["flags"].split())
+    assert changed["memory"]["peak_bytes"] == c["peak_bytes_after"] <= changed["memory"]["capacity_bytes"]
+    assert c["saves_bytes"] == mem["peak_bytes"] - c["peak_bytes_after"]
+    assert changed["inputs"]["parallel"]["gpus"] == doc["inputs"]["parallel"]["gpus"]  # the same GPUs
+    per_gpu = changed["compute"]["tokens_per_second"] / changed["inputs"]["parallel"]["gpus"]
+    assert c["tokens_per_second_per_gpu_after"] == pytest.approx(per_gpu, rel=1e-12)
+    # shown only where it beats every single change that fits on throughput
+    for a in mem["advice"]:
+        if a["fits_after"]:
+            assert a["tokens_per_second_per_gpu_after"] < c["tokens_per_second_per_gpu_after"]
+
+
+def test_mixtral_stacks_zero_up_to_3_instead_of_offloading():
+    mem = cli_json("estimate", *STACKED[0])["memory"]
+    fitting = [a for a in mem["advice"] if a["fits_after"]]
+    assert [a["flags"] for a in fitting] == ["--offload optimizer"]
+    c = mem["advice_combined"]
+    assert c["flags"] == "--zero 3" and c["change"] == "ZeRO stage 3"  # stage 2, superseded by 3, is not named
+    assert c["tokens_per_second_per_gpu_after"] > 10 * fitting[0]["tokens_per_second_per_gpu_after"]
+    code, out, _ = cli("estimate", *STACKED[0])
+    assert code == 0 and "Or, on the same 16 GPUs: --zero 3 (ZeRO stage 3)" in " ".join(out.split())
+
+
+def test_nothing_stacked_when_it_fits_or_when_nothing_gets_there():
+    assert cli_json("estimate", *CASES[3])["memory"]["advice_combined"] is None  # fits already
+    # an 8B full fine-tune on one 24 GB card: no change on one GPU reaches it (the states alone are 16 B x 8B)
+    args = ("--model", "llama-3.1-8b", "--gpu", "rtx-4090")
+    mem = cli_json("estimate", *args)["memory"]
+    assert not mem["fits"] and mem["advice_combined"] is None and not any(a["fits_after"] for a in mem["advice"])
+    code, out, _ = cli("estimate", *args)
+    assert code == 0 and "`memcalc plan` with this model, --gpus 1 and --global-batch 1 searches every layout" in (
+        " ".join(out.split()))

@@ -2,7 +2,8 @@
 each saves. Changes are listed cheapest first by their usual throughput cost (a higher ZeRO stage or a smaller
 micro-batch costs little, a fused optimizer step nothing; recompute costs about a third more compute for full, a
 4-bit base its dequantization; offload and more GPUs cost the most); every figure is computed, none is a rule of
-thumb. Each change's flags are the command line that reproduces it (tests/test_advice.py).
+thumb. Each change's flags are the command line that reproduces it (tests/test_advice.py). Where no single change
+fits, or only a costlier one does, `combine` stacks the cheapest changes on the same GPUs until the peak fits.
 """
 
 from __future__ import annotations
@@ -106,11 +107,77 @@ def _candidates(run: Run) -> Iterator[Change]:
                lambda r: r.replace(gpus=r.gpus * 2, dp=r.dp * 2, global_batch=r.global_batch * 2))
 
 
+def _merge_flags(first: str, then: str) -> str:
+    """Two changes' flags as one command line: a flag given by both keeps the later value (every value a change
+    prints is absolute, computed from the run it changed, e.g. `--grad-accum`)."""
+    out: dict[str, str] = {}
+    for flags in (first, then):
+        toks = flags.split()
+        for i, tok in enumerate(toks):
+            if tok.startswith("--"):
+                nxt = toks[i + 1] if i + 1 < len(toks) else ""
+                out.pop(tok, None)  # keep the order in which flags were last set
+                out[tok] = "" if nxt.startswith("--") else nxt
+    return " ".join(f"{k} {v}".strip() for k, v in out.items())
+
+
+def combine(run: Run, peak: int, max_changes: int = 6) -> tuple[str, str, Run, int] | None:
+    """The cheapest changes stacked until the peak fits, on the same GPUs: each round applies the first candidate,
+    in `_candidates`' cost order, that lowers the current peak by at least 1% (more GPUs is never one: it changes
+    the cluster). Returns (what, flags, changed run, its peak), or None if `max_changes` rounds do not fit; a
+    search over every layout is `memcalc plan`'s job, this is the shortest path along the advice's own order."""
+    from memcalc.cost.estimate import peak_bytes
+
+    capacity = run.hardware.memory_bytes
+    cur, cur_peak, flags = run, peak, ""
+    names: list[tuple[str, set[str]]] = []  # each change taken, with the flags it sets
+    for _ in range(max_changes):
+        for desc, f, change in _candidates(cur):
+            if f.startswith("--gpus"):
+                continue
+            try:
+                changed = change(cur)
+                after = peak_bytes(changed)
+            except (ValueError, ZeroDivisionError):
+                continue
+            if cur_peak - after >= max(MIN_SAVING_BYTES, cur_peak // 100):
+                cur, cur_peak, flags = changed, after, _merge_flags(flags, f)
+                # a later change that sets every flag of an earlier one supersedes it (ZeRO 2, then 3)
+                mine = {tok for tok in f.split() if tok.startswith("--")} - {"--grad-accum"}
+                names = [(d, fl) for d, fl in names if not fl <= mine] + [(desc, mine)]
+                break
+        else:
+            return None  # nothing left that helps
+        if cur_peak <= capacity:
+            return " + ".join(d for d, _ in names), flags, cur, cur_peak
+    return None
+
+
 def tokens_per_second_per_gpu(run: Run) -> float:
     """The time model's throughput per GPU (0.0 where the GPU's peak FLOP/s is unknown)."""
     from memcalc.cost.compute import peak_flops_per_gpu, tokens_per_second
 
     return float(tokens_per_second(run)) / run.gpus if peak_flops_per_gpu(run) > 0 else 0.0
+
+
+def advise_combined(run: Run, peak: int, singles: list):
+    """The stacked changes (`combine`) as one Advice where the peak does not fit and they beat every single change
+    that fits on throughput (or none fits); else None."""
+    from memcalc.cost.estimate import Advice
+
+    if peak <= run.hardware.memory_bytes:
+        return None
+    found = combine(run, peak)
+    if found is None:
+        return None
+    what, flags, changed, after = found
+    if any(a.flags == flags for a in singles):
+        return None  # one of the single changes already
+    tps = tokens_per_second_per_gpu(changed)
+    if any(a.fits_after and a.tokens_per_second_per_gpu_after >= tps for a in singles):
+        return None
+    return Advice(change=what, flags=flags, saves_bytes=peak - after, peak_bytes_after=after, fits_after=True,
+                  tokens_per_second_per_gpu_after=tps)
 
 
 def advise(run: Run, peak: int, limit: int = 3) -> list:

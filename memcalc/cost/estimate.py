@@ -16,7 +16,7 @@ from memcalc.cost.params import stage_layers, total_params, zero1_worst_dp_index
 from memcalc.cost.timeline import CATEGORIES, StageMemory, stage_memory
 from memcalc.specs import Run
 
-SCHEMA_VERSION = "1.22"
+SCHEMA_VERSION = "1.23"
 
 
 class _Out(BaseModel):
@@ -78,6 +78,9 @@ class Memory(_Out):
     phases: list[PhaseOut]
     stages: list[StageOut]
     advice: list[Advice]
+    # where it does not fit and no single change fits as cheaply: the cheapest changes stacked until it does, on
+    # the same GPUs (advice.combine); None otherwise
+    advice_combined: Advice | None = None
 
 
 class CollectiveOut(_Out):
@@ -277,6 +280,7 @@ def estimate(run: Run, stage: int | None = None, advice: bool = True) -> Estimat
     capacity = run.hardware.memory_bytes
     headline_peak = so.peak_bytes
     fits = worst.peak_bytes <= capacity
+    singles = advice_mod.advise(run, worst.peak_bytes) if advice else []
     memory = Memory(
         components=so.components,
         not_modelled=list(sm.not_modelled),
@@ -290,6 +294,12 @@ def estimate(run: Run, stage: int | None = None, advice: bool = True) -> Estimat
             "trainable_params": int(st.trainable_params),
             "frozen_params_bytes": int(st.frozen_params_bytes),
             "ps_server_bytes": int(st.ps_server),
+            "trainable_expert_params": int(st.expert_params),
+            "param_elems": int(st.param_elems),
+            "grad_elems": int(st.grad_elems),
+            "embedding_grad_extra_elems": int(st.embedding_grad_extra),
+            "stepped_params": int(st.stepped_params),
+            "weight_versions": int(st.weight_versions),
         },
         activations_detail={k: int(v) for k, v in sm.activations_detail.items()},
         buffers_detail={k: int(v) for k, v in sm.buffers_detail.items()},
@@ -308,7 +318,8 @@ def estimate(run: Run, stage: int | None = None, advice: bool = True) -> Estimat
         host_activation_bytes=int(sm.host_activation_bytes),
         phases=so.phases,
         stages=[r[1] for r in reports],
-        advice=advice_mod.advise(run, worst.peak_bytes) if advice else [],
+        advice=singles,
+        advice_combined=advice_mod.advise_combined(run, worst.peak_bytes, singles) if advice else None,
     )
     colls = comm.collectives(run)
     comm_out = comm.communication_out(run, colls)

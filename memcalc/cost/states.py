@@ -63,6 +63,12 @@ class ModelStates:
     frozen_params_bytes: Num = 0  # frozen (possibly quantized) weights, included in `params`
     ps_server: Num = 0  # parameter-server mode: bytes on the server per worker's model (not on this GPU)
     stepped_params: Num = 0  # elements this rank's optimizer steps (its ZeRO shard of the trainable ones)
+    # the element counts behind the byte figures (`--explain` multiplies them out; JSON model_states_detail):
+    param_elems: Num = 0  # trainable elements whose parameters this rank holds (its ZeRO-3 / FSDP2 shard, else all)
+    grad_elems: Num = 0  # elements of the gradients this rank holds, incl. a TP-replicated embedding gradient
+    embedding_grad_extra: Num = 0  # of which: the word embedding's gradient beyond its vocab shard
+    expert_params: Num = 0  # trainable expert elements among `trainable_params` (sharded over dp*cp/ep by ZeRO)
+    weight_versions: Num = 1  # PipeDream's stashed weight versions (params = versions x one copy)
 
     @property
     def total(self) -> Num:
@@ -181,7 +187,8 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
 
     # FSDP2's ZeRO-2-like mode (reshard_after_forward=False) also keeps only the parameter shard between steps;
     # the unsharded copy is a forward/backward buffer (memcalc/cost/buffers.py `fsdp_unsharded_params`)
-    params = pb * (param_shard(dense, expert) if (z >= 3 or (z == 2 and run.profile == "torch")) else n)
+    param_elems = param_shard(dense, expert) if (z >= 3 or (z == 2 and run.profile == "torch")) else n
+    params = pb * param_elems
     frozen = frozen_bytes(run, split.frozen_linear, split.frozen_linear_rows, split.frozen_linear_matrices,
                           split.frozen_other)
     # frozen weights have nothing for ZeRO-1/2 to shard; ZeRO-3 / FSDP2 shards them like any parameter
@@ -191,15 +198,18 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
         # micro-batch, pp - stage on stage `stage`; PipeDream-2BW keeps two (Narayanan et al. 2021, sec. 3.1)
         versions = run.pp - stage if run.schedule == "pipedream" else 2 + 0 * stage
         params = params + (versions - 1) * params
-    if run.profile == "deepspeed" and z >= 3 and r.fp32_grad_copy:
-        grads = 0 * n  # reduced straight into the fp32 partition (stage3.py)
     else:
-        grads = gb * (param_shard(dense, expert) if z >= 2 else n)
+        versions = 1
+    if run.profile == "deepspeed" and z >= 3 and r.fp32_grad_copy:
+        grad_elems = 0 * n  # reduced straight into the fp32 partition (stage3.py)
+    else:
+        grad_elems = param_shard(dense, expert) if z >= 2 else n
     # FSDP2 keeps the optimizer state on its per-tensor shards; ZeRO-1 and flat-buffer frameworks pad once
     # DTensor RowwiseParallel on nn.Embedding (torchtitan's plan): the weight is vocab-sharded but its gradient
     # comes back replicated at full V x h on every TP rank (validation-findings.md, measured to the byte)
     emb_extra, _ = replicated_embedding_grad(run, stage)
-    grads = grads + gb * emb_extra
+    grad_elems = grad_elems + emb_extra
+    grads = gb * grad_elems
     opt_elems = (param_shard(dense, expert) if z >= 2 else shard(dense, expert)) if z >= 1 else n
     if zero1_partition_applies(run):
         opt_elems = zero1_rank_elems(run, stage)  # whole tensors per rank, greedy largest-first
@@ -243,4 +253,9 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
         frozen_params_bytes=frozen,
         ps_server=ps_server,
         stepped_params=opt_elems,
+        param_elems=param_elems,
+        grad_elems=grad_elems,
+        embedding_grad_extra=emb_extra,
+        expert_params=expert,
+        weight_versions=versions,
     )

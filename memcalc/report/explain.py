@@ -8,7 +8,10 @@ from rich.text import Text
 
 from memcalc.cost.estimate import Estimate
 from memcalc.cost.fragmentation import fraction
+from memcalc.cost.params import zero1_partition_applies
+from memcalc.cost.states import ADAM8BIT_BLOCK
 from memcalc.specs import DTYPE_BYTES, Run
+from memcalc.xp import cdiv
 from memcalc.units import format_bytes
 
 
@@ -18,28 +21,13 @@ def _line(con: Console, text: str) -> None:
 
 def render_explain(est: Estimate, run: Run, con: Console, units: str) -> None:
     mem = est.memory
-    r = run.recipe
-    det = mem.model_states_detail
-    n = det["stage_params"]
-    d = run.shard_degree
-    z = run.zero
     con.print()
     con.print(Text("How the figures are computed (sources: docs/methodology.md)", style="bold"))
-    con.print(Text(f"Model states, stage {mem.reported_stage}: N = {n:,} parameters on this rank after TP/PP "
-                   f"sharding; ZeRO-{z} shard group dp*cp = {d}", style="bold"))
-    pb, gb = DTYPE_BYTES[r.param_dtype], DTYPE_BYTES[r.grad_dtype]
-
-    def div(on: bool) -> str:
-        return f" / {d}" if on and d > 1 else ""
-
-    _line(con, f"params         = N x {pb} B ({r.param_dtype}){div(z >= 3)} = {format_bytes(det['params'], units)}")
-    if r.master_weights:
-        _line(con, f"master weights = N x 4 B (fp32){div(z >= 1)} = {format_bytes(det['master_weights'], units)}")
-    _line(con, f"grads          = N x {gb} B ({r.grad_dtype}){div(z >= 2)} = {format_bytes(det['grads'], units)}")
-    if r.fp32_grad_copy:
-        _line(con, f"fp32 grad copy = N x 4 B{div(z >= 1)} = {format_bytes(det['grads_fp32_copy'], units)}")
-    _line(con, f"optimizer      = N x state bytes ({run.training.optimizer}, {r.moment_dtype} moments){div(z >= 1)}"
-               f" = {format_bytes(det['optimizer_moments'], units)}")
+    for text in _model_state_lines(est, run, units):
+        if text.startswith("Model states"):
+            con.print(Text(text, style="bold"))
+        else:
+            _line(con, text)
     if run.offload != "none":
         _line(con, f"offloaded to CPU: {format_bytes(mem.cpu_offload_bytes, units)}")
     if run.training.offload_activations:
@@ -85,3 +73,104 @@ def render_explain(est: Estimate, run: Run, con: Console, units: str) -> None:
                        + (f" ({c.note})" if c.note else ""))
     for note in est.compute.notes:
         _line(con, note)
+
+
+def _shard_rule(run: Run, det: dict[str, int], elems: int, sharded: bool) -> str:
+    """How a rank's element count follows from the trainable count T: the ZeRO rule that produced it. Experts
+    shard over their own data-parallel group (dp*cp/ep); FSDP2 pads each tensor's dim 0 and torch's ZeRO-1 hands out
+    whole tensors, so their counts sit a little above T / d (memcalc/cost/states.py `model_states`)."""
+    d = run.shard_degree
+    if not sharded or d == 1:
+        return "T"
+    t_all, t_exp = det["trainable_params"], det["trainable_expert_params"]
+    de = d // run.ep
+    rule = f"T / {d}"
+    if t_exp and de != d:
+        rule = f"dense {t_all - t_exp:,} / {d} + experts {t_exp:,} / {de} (their group dp*cp/ep)"
+    if elems != cdiv(t_all - t_exp, d) + cdiv(t_exp, de):
+        rule += (", whole tensors per rank, this rank's share" if zero1_partition_applies(run)
+                 else f", each tensor's dim 0 padded to a multiple of {d}")
+    return rule
+
+
+def _elsewhere(run: Run, held: int, formula: int) -> str:
+    """Where a state the formula counts went when this GPU does not hold it."""
+    if held == formula:
+        return ""
+    if held == 0 and run.dp_mode == "ps":
+        return " (on the parameter server, not this GPU)"
+    if held == 0 and run.offload != "none":
+        return f" (in host memory: --offload {run.offload})"
+    return ""
+
+
+def _optimizer_state_text(run: Run) -> tuple[str, int | None]:
+    """Bytes of optimizer state per stepped element, in words and as a figure (None where not one constant)."""
+    opt = run.training.optimizer
+    md = run.recipe.moment_dtype
+    mb = DTYPE_BYTES[md]
+    if opt in ("adam", "adamw"):
+        return f"2 moments x {mb} B ({md})", 2 * mb
+    if opt in ("lion", "sgd-momentum"):
+        return f"1 momentum x {mb} B ({md})", mb
+    if opt == "sgd":
+        return "no state", 0
+    if opt == "adam-8bit":
+        return f"2 x 1 B + 2 fp32 absmax per {ADAM8BIT_BLOCK} elements", None
+    return f"row and column statistics per matrix, the whole second moment of vectors, {mb} B ({md})", None
+
+
+def _model_state_lines(est: Estimate, run: Run, units: str) -> list[str]:
+    """The model states as element counts times bytes, each product equal to the figure it explains."""
+    det = est.memory.model_states_detail
+    r, t = run.recipe, run.training
+    z, d = run.zero, run.shard_degree
+    fb = lambda b: format_bytes(b, units)  # noqa: E731
+    n, trainable = det["stage_params"], det["trainable_params"]
+    head = (f"Model states, stage {est.memory.reported_stage}: N = {n:,} parameters on this rank after TP/PP"
+            f"{'/EP' if run.ep > 1 else ''} sharding")
+    if trainable != n:
+        head += f", of which T = {trainable:,} train"
+    else:
+        head += " (T = N: all train)"
+    lines = [head + f"; ZeRO-{z} shard group dp*cp = {d}"]
+    pb, gb = DTYPE_BYTES[r.param_dtype], DTYPE_BYTES[r.grad_dtype]
+    pe, frozen = det["param_elems"], det["frozen_params_bytes"]
+    versions = det["weight_versions"]
+    formula = pb * pe * versions + frozen
+    text = f"params         = {pe:,} ({_shard_rule(run, det, pe, pe != trainable)}) x {pb} B ({r.param_dtype})"
+    if versions > 1:
+        text += f" x {versions} weight versions (PipeDream stash)"
+    if frozen:
+        base = t.base_dtype or (r.compute_dtype if t.lora_rank is not None else r.param_dtype)
+        text += f" + frozen base {fb(frozen)} ({base}{', LM head too' if t.quantize_head else ''})"
+    lines.append(text + f" = {fb(formula)}{_elsewhere(run, det['params'], formula)}")
+    stepped = det["stepped_params"]
+    rule = _shard_rule(run, det, stepped, z >= 1)
+    if r.master_weights:
+        lines.append(f"master weights = {stepped:,} ({rule}) x 4 B (fp32) = {fb(4 * stepped)}"
+                     + _elsewhere(run, det["master_weights"], 4 * stepped))
+    ge, extra = det["grad_elems"], det["embedding_grad_extra_elems"]
+    own = ge - extra
+    text = f"grads          = {own:,} ({_shard_rule(run, det, own, z >= 2)}) x {gb} B ({r.grad_dtype})"
+    if extra:
+        text += f" + the word embedding's gradient beyond its vocab shard, replicated over tp: {extra:,} x {gb} B"
+    if run.profile == "deepspeed" and z >= 3 and r.fp32_grad_copy:
+        text = "grads          = 0 (ZeRO-3 reduces each gradient straight into the fp32 partition)"
+    lines.append(text + f" = {fb(gb * ge)}{_elsewhere(run, det['grads'], gb * ge)}")
+    if r.fp32_grad_copy:
+        lines.append(f"fp32 grad copy = {stepped:,} ({rule}) x 4 B = {fb(4 * stepped)}"
+                     + _elsewhere(run, det["grads_fp32_copy"], 4 * stepped))
+    words, per = _optimizer_state_text(run)
+    held = det["optimizer_moments"]
+    text = f"optimizer      = {stepped:,} stepped ({rule}) x {words} ({t.optimizer})"
+    if per is not None:
+        formula = per * stepped
+        text += f" = {fb(formula)}"
+        if held > formula:  # torch SGD clones the replicated embedding gradient into its momentum
+            text += f" + {fb(held - formula)} of momentum cloned from the replicated embedding gradient"
+            formula = held
+        lines.append(text + _elsewhere(run, held, formula))
+    else:
+        lines.append(text + f" = {fb(held)}")
+    return lines

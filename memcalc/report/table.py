@@ -41,7 +41,14 @@ def _component_notes(est: Estimate, run: Run) -> dict[str, str]:
     r = run.recipe
     d = est.inputs["parallel"]["shard_degree"]
     z = run.zero
-    sh = lambda on: f"sharded 1/{d}" if on and d > 1 else "replicated"  # noqa: E731
+    de = d // run.ep  # experts shard over their own data-parallel group, dp*cp/ep
+
+    def sh(on: bool) -> str:
+        dense = f"sharded 1/{d}" if on and d > 1 else "replicated"
+        if run.model.moe is None or de == d or not on:
+            return dense
+        return dense + (f", experts 1/{de}" if de > 1 else ", experts replicated (dp*cp/ep = 1)")
+
     notes = {
         "params": f"{r.param_dtype}, {sh(z >= 3)}" + (", also the master copy" if r.compute_copy else ""),
         "master_weights": f"fp32, {sh(z >= 1)}" if r.master_weights else "none kept separately",
@@ -247,12 +254,12 @@ def _render_verdict(est: Estimate, con: Console, units: str) -> None:
                        f"available.", style="bold red"))
     if mem.not_modelled:
         con.print(Text(f"(not yet modelled, so not in the peak: {', '.join(mem.not_modelled)})", style="yellow"))
+    comp = est.compute
+    per_gpu = comp.tokens_per_second / est.inputs["parallel"]["gpus"] if comp.modelled else 0.0
     if mem.advice:
         head = "What would help:" if not mem.fits else "Ways to lower the peak:"
         con.print(head)
         width = max(len(a.flags) for a in mem.advice)
-        comp = est.compute
-        per_gpu = comp.tokens_per_second / est.inputs["parallel"]["gpus"] if comp.modelled else 0.0
         for a in mem.advice:
             verdict = "fits" if a.fits_after else "still short"
             # what the change costs, from the time model (kernel efficiency held at the assumed figure)
@@ -260,3 +267,15 @@ def _render_verdict(est: Estimate, con: Console, units: str) -> None:
                     if per_gpu > 0 and a.tokens_per_second_per_gpu_after > 0 else "")
             con.print(f"  {a.flags:<{width}}  {a.change}: saves {format_bytes(a.saves_bytes, units)} → "
                       f"{format_bytes(a.peak_bytes_after, units)} ({verdict}){cost}", markup=False)
+    c = mem.advice_combined
+    if c is not None:
+        cost = (f"; tokens/s per GPU {c.tokens_per_second_per_gpu_after / per_gpu - 1:+.0%}"
+                if per_gpu > 0 and c.tokens_per_second_per_gpu_after > 0 else "")
+        how = "stacked, on the same" if " + " in c.change else "on the same"
+        con.print(f"Or, {how} {est.inputs['parallel']['gpus']} GPUs: {c.flags}  ({c.change}): "
+                  f"saves {format_bytes(c.saves_bytes, units)} → {format_bytes(c.peak_bytes_after, units)} "
+                  f"(fits){cost}", markup=False)
+    elif not mem.fits and not any(a.fits_after for a in mem.advice):
+        con.print(f"No single change fits, nor the cheaper ones stacked: `memcalc plan` with this model, --gpus "
+                  f"{est.inputs['parallel']['gpus']} and --global-batch {est.inputs['training']['global_batch']} "
+                  "searches every layout.", markup=False)
