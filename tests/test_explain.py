@@ -72,3 +72,24 @@ def test_lora_explain_counts_the_trainable_and_the_frozen_base_apart():
     assert code == 0
     assert "of which T = 4,194,304 train" in text
     assert "params = 4,194,304 (T) x 4 B (fp32) + frozen base" in text and "(nf4)" in text
+
+
+def test_activations_are_split_into_held_terms_and_transients():
+    """Llama-2-7B shape, seq 4096, micro-batch 1, no recompute, ZeRO-3 over 64: one layer saves its Q as
+    4096 tokens x 4096 x 2 B = 33,554,432 B, held for all 32 layers (1 GiB); the RMSNorm input adds its fp32
+    1/rms per token (4096 x 4 B = 16,384 B). The held terms sum to the forward phase's activations less the
+    loss's forward transient."""
+    flags = ["estimate", "--params", "7B", "--zero", "3", "--gpus", "64"]
+    d = cli_json(*flags)
+    det = d["memory"]["activations_detail"]
+    held = sum(v for k, v in det.items() if not k.endswith("_transient"))
+    fwd = next(p for p in d["memory"]["phases"] if p["name"] == "forward")
+    assert fwd["live"]["activations"] == held + det["logits_forward_transient"]
+    code, out, _ = cli(*flags, "--explain")
+    text = " ".join(out.split())
+    assert code == 0
+    assert "q 1.00 GiB = 33,554,432 B per layer x 32" in text and 33_554_432 == 4096 * 4096 * 2
+    assert "attn_norm 1.00 GiB = 33,570,816 B per layer x 32" in text and 33_570_816 == 33_554_432 + 4096 * 4
+    assert f"sum {held / 2**30:.2f} GiB" in text
+    assert "Transients: each live only at its own moment" in text
+    assert "0 in this configuration: residual_adds" in text and "recompute_transient" in text

@@ -34,9 +34,26 @@ def render_explain(est: Estimate, run: Run, con: Console, units: str) -> None:
         _line(con, f"activations offloaded to host memory: {format_bytes(mem.host_activation_bytes, units)} "
                    "(every layer's saved set of every micro-batch in flight; the last two layers run stay)")
     if mem.activations_detail:
-        con.print(Text("Activations (bytes per named term; see memory.activations_detail in --json)", style="bold"))
-        for k, v in mem.activations_detail.items():
-            _line(con, f"{k:<40} {format_bytes(v, units)}")
+        det = mem.activations_detail
+        held = {k: v for k, v in det.items() if v and not k.endswith("_transient")}
+        moments = {k: v for k, v in det.items() if v and k.endswith("_transient")}
+        con.print(Text("Activations held for backward on this stage (memory.activations_detail in --json); "
+                       "'x N': one layer's bytes for one micro-batch times the N (layer, micro-batch) pairs held",
+                       style="bold"))
+        per_layer = _per_layer_terms(run)
+        for k, v in held.items():
+            one = per_layer.get(k, 0)
+            times = f"  = {one:,} B per layer x {v // one}" if one and v % one == 0 and v // one > 1 else ""
+            _line(con, f"{k:<40} {format_bytes(v, units)}{times}")
+        _line(con, f"{'sum':<40} {format_bytes(sum(held.values()), units)}")
+        if moments:
+            con.print(Text("Transients: each live only at its own moment, not summed (the phases below add the one "
+                           "live at each)", style="bold"))
+            for k, v in moments.items():
+                _line(con, f"{k:<40} {format_bytes(v, units)}")
+        zero = [k for k, v in det.items() if not v]
+        if zero:
+            _line(con, "0 in this configuration: " + ", ".join(zero))
     if mem.buffers_detail:
         con.print(Text("Buffers and temporaries", style="bold"))
         for k, v in mem.buffers_detail.items():
@@ -73,6 +90,16 @@ def render_explain(est: Estimate, run: Run, con: Console, units: str) -> None:
                        + (f" ({c.note})" if c.note else ""))
     for note in est.compute.notes:
         _line(con, note)
+
+
+def _per_layer_terms(run: Run) -> dict[str, int]:
+    """One layer's saved bytes per term for one micro-batch (`activations.layer_terms`), the checkpointed input
+    from the full-recompute set: what the stage's totals are multiples of."""
+    from memcalc.cost.activations import layer_terms
+
+    out = {k: int(v) for k, v in layer_terms(run, "none").items()}
+    out["checkpoint_input"] = int(layer_terms(run, "full").get("checkpoint_input", 0))
+    return {k: v for k, v in out.items() if v > 0}
 
 
 def _shard_rule(run: Run, det: dict[str, int], elems: int, sharded: bool) -> str:
