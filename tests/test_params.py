@@ -97,11 +97,21 @@ def test_pipeline_stages_sum_to_model_and_hold_embedding_and_head():
     assert per_stage[3] == 8 * layer + 4096 + 32000 * 4096
 
 
-def test_uneven_pipeline_puts_remainder_first():
-    r = run_of(model="gpt2-xl", pp=5, gpus=5)  # 48 layers: 10, 10, 10, 9, 9
-    from memcalc.cost.params import stage_layers
+def test_uneven_pipeline_split_follows_the_framework():
+    """48 layers over 5 stages (base 9, 3 left over). Megatron and DeepSpeed (memcalc's convention): the extras on
+    the first stages, 10, 10, 10, 9, 9. torch: torchtitan's generate_split_points gives the first stage the base,
+    the middle stages one more while extras remain, the last the rest: 9, 10, 10, 10, 9. Llama 3.1 405B's 126
+    layers over 8 stages: 15, 16 x 6, 15 (torchtitan's split points layers.15, .31, ..., .111)."""
+    from memcalc.cost.params import stage_first_layer, stage_layers
 
-    assert [stage_layers(r.model, 5, s) for s in range(5)] == [10, 10, 10, 9, 9]
+    for profile, want in (("megatron", [10, 10, 10, 9, 9]), ("deepspeed", [10, 10, 10, 9, 9]),
+                          ("torch", [9, 10, 10, 10, 9])):
+        r = run_of(model="gpt2-xl", pp=5, gpus=5, profile=profile)
+        assert [stage_layers(r, s) for s in range(5)] == want, profile
+        assert [stage_first_layer(r, s) for s in range(5)] == [sum(want[:s]) for s in range(5)]
+    r = run_of(model="llama-3.1-405b", pp=8, gpus=8)
+    assert [stage_layers(r, s) for s in range(8)] == [15] + [16] * 6 + [15]
+    assert [stage_first_layer(r, s) for s in range(1, 8)] == [15, 31, 47, 63, 79, 95, 111]
 
 
 def test_tied_embedding_copy_on_last_stage():
@@ -148,17 +158,20 @@ def test_mla_parameters_by_hand_and_under_tp():
 
 
 def test_first_dense_layers_sit_on_the_first_stage():
-    """DeepSeek-V3 over pp 8 (61 layers: 8, 8, 8, 8, 8, 7, 7, 7): the 3 dense layers are all on stage 0, whose
-    expert parameters are those of 5 MoE layers; interleaved (pp 2 x vpp 2 of a 4-layer, 1-dense model: stage 0
-    holds chunks 0 and 2) the dense layer is stage 0's."""
+    """DeepSeek-V3 over pp 8, 61 layers: Megatron-style 8, 8, 8, 8, 8, 7, 7, 7, torchtitan's split 7, 8, 8, 8, 8, 8,
+    7, 7. The 3 dense layers are all on stage 0, whose expert parameters are those of 5 (torch: 4) MoE layers against
+    stage 1's 8; interleaved (pp 2 x vpp 2 of a 4-layer, 1-dense model: stage 0 holds chunks 0 and 2) the dense
+    layer is stage 0's."""
     from memcalc.cost.params import stage_dense_layers, stage_layer_params
 
     m = load_model("deepseek-v3")
-    r = resolve(m, TrainingSpec(), ParallelSpec(gpus=64, pp=8, ep=8), HardwareSpec(name="x", memory_bytes=1))
-    assert [int(stage_dense_layers(r, s)) for s in range(8)] == [3, 0, 0, 0, 0, 0, 0, 0]
-    _, e0 = stage_layer_params(r, 0)
-    _, e1 = stage_layer_params(r, 1)
-    assert e0 * 8 == e1 * 5
+    for profile, moe_on_0 in (("megatron", 5), ("torch", 4)):
+        r = resolve(m, TrainingSpec(), ParallelSpec(gpus=64, pp=8, ep=8), HardwareSpec(name="x", memory_bytes=1),
+                    profile)
+        assert [int(stage_dense_layers(r, s)) for s in range(8)] == [3, 0, 0, 0, 0, 0, 0, 0]
+        _, e0 = stage_layer_params(r, 0)
+        _, e1 = stage_layer_params(r, 1)
+        assert e0 * 8 == e1 * moe_on_0, profile
     small = m.model_copy(update={"layers": 4, "moe": m.moe.model_copy(update={"first_dense_layers": 1})})
     r = resolve(small, TrainingSpec(grad_accum=2), ParallelSpec(gpus=2, pp=2, vpp=2, schedule="interleaved"),
                 HardwareSpec(name="x", memory_bytes=1))

@@ -1746,7 +1746,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         n_last = groups * pp + imax(imin(rem - (v - 1) * pp, pp), 0)
         n_every = units  # rotary tables and pipeline outputs: one per model-chunk forward
     else:
-        unit_layers = stage_layers(m, pp, stage)
+        unit_layers = stage_layers(run, stage)
         total_units = run.grad_accum
         n_first = n_last = n_every = units
     # checkpointed layers per unit: `recompute_layers` K per stage (per model chunk when interleaved), the

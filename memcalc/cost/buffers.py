@@ -792,7 +792,7 @@ def _rope_cache(run: Run, stage: Num) -> dict[str, Buffer]:
         return {}
     width = m.mla.qk_rope_dim if m.mla is not None else m.head_dim
     one = 4 * t.rope_cache_positions * (width // 2) * 2
-    tables = stage_layers(m, run.pp, stage) if t.rope_cache_per_layer else 1
+    tables = stage_layers(run, stage) if t.rope_cache_per_layer else 1
     return {"rope_cache": Buffer(one * tables, ALL_PHASES, "the model's rotary cos/sin table(s), fp32")}
 
 

@@ -504,7 +504,7 @@ def _fsdp2_terms(run: Run, stage: Num, n: Num, seg: list[tuple[Num, Num]], ag_dt
     r = run.recipe
     ga = run.grad_accum
     agb, gb = DTYPE_BYTES[ag_dtype], DTYPE_BYTES[r.grad_dtype]
-    layers = stage_layers(run.model, run.pp, stage)
+    layers = stage_layers(run, stage)
     blk = scaled(run, padded_shard_elems(layer_tensor_shapes(run), n) * n)
     root = scaled(run, padded_shard_elems(root_tensor_shapes(run, stage), n) * n)
     has_root = where(root > 0, 1, 0)
@@ -574,7 +574,7 @@ def _tensor_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
     act = run.recipe.compute_dtype
     ab = DTYPE_BYTES[act]
     s_h = (run.seq // run.cp) * run.micro_batch * m.hidden * ab  # one s*b*h activation (s/cp with CP)
-    layers = stage_layers(m, run.pp, stage)
+    layers = stage_layers(run, stage)
     rc = stage_recomputed_layers(run, stage) if run.training.recompute in ("full", "op") else 0 * layers
     first = where(stage == 0, 1, 0)
     last = where(stage == run.pp - 1, 1, 0)
@@ -666,11 +666,11 @@ def _sp_norm_grads_torch(run: Run, stage: Num, seg: list[tuple[Num, Num]]) -> _T
     r = run.recipe
     ga = run.grad_accum
     nrm = 2 if m.norm == "layernorm" else 1
-    layers = stage_layers(m, run.pp, stage)
+    layers = stage_layers(run, stage)
     if t.freeze:
         from memcalc.specs import freeze_layers
 
-        start = stage_first_layer(m, run.pp, stage)
+        start = stage_first_layer(run, stage)
         layers = layers - imin(imax(freeze_layers(t) - start, 0), layers)
     tensors = nrm * (layer_norms(m) * layers + where(stage == run.pp - 1, 1, 0))
     if t.lora_rank is not None:  # LoRA: the norms are frozen, no grads
@@ -725,7 +725,7 @@ def _pipeline(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
 def _context_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
     m, c = run.model, run.cp
     act = run.recipe.compute_dtype
-    layers = stage_layers(m, run.pp, stage)
+    layers = stage_layers(run, stage)
     rc = stage_recomputed_layers(run, stage) if run.training.recompute == "full" else 0 * layers
     tok = (run.seq // c) * run.micro_batch
     if run.cp_comm == "a2a":
@@ -764,7 +764,7 @@ def _expert_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
     act = run.recipe.compute_dtype
     # MoE layers only: the model's first dense layers (the stage's first, so the first recomputed) have no experts
     dense = stage_dense_layers(run, stage)
-    layers = stage_layers(m, run.pp, stage) - dense
+    layers = stage_layers(run, stage) - dense
     rc = imax(stage_recomputed_layers(run, stage) - dense, 0) if run.training.recompute == "full" else 0 * layers
     tokens = (run.seq // run.cp) * run.micro_batch
     if run.sp:

@@ -169,7 +169,7 @@ def recomputed_layers(run: Run) -> Num:
 
 def stage_recomputed_layers(run: Run, stage: Num) -> Num:
     """Recomputed layers of one pipeline stage (used by the TP/CP/EP collective counts)."""
-    n = stage_layers(run.model, run.pp, stage)
+    n = stage_layers(run, stage)
     if run.training.recompute == "none":
         return 0 * n
     k = run.training.recompute_layers

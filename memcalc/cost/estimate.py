@@ -237,7 +237,7 @@ def stage_report(run: Run, stage: int) -> tuple[StageMemory, StageOut]:
     out = StageOut(
         stage=stage,
         first_rank=rank_of_stage(run, stage),
-        layers=int(stage_layers(run.model, run.pp, stage)),
+        layers=int(stage_layers(run, stage)),
         params=int(sm.states.stage_params),
         components=comps,
         allocated_peak_bytes=allocated,

@@ -133,8 +133,8 @@ def stage_dense_layers(run: Run, stage: Num) -> Num:
         q, r = k // c, k % c
         full = imax((q - stage + run.pp - 1) // run.pp, 0)  # chunks g < q with g = stage (mod pp)
         return full * c + where(q % run.pp == stage, r, 0)
-    first = stage_first_layer(m, run.pp, stage)
-    return imax(imin(k - first, stage_layers(m, run.pp, stage)), 0)
+    first = stage_first_layer(run, stage)
+    return imax(imin(k - first, stage_layers(run, stage)), 0)
 
 
 def stage_layer_params(run: Run, stage: Num) -> tuple[Num, Num]:
@@ -142,7 +142,7 @@ def stage_layer_params(run: Run, stage: Num) -> tuple[Num, Num]:
     before `--params` scaling: its MoE layers and, on the stages that hold them, the model's first dense layers."""
     m = run.model
     dense_l, expert_l = layer_params(m, run.tp, run.ep)
-    n = stage_layers(m, run.pp, stage)
+    n = stage_layers(run, stage)
     nd = stage_dense_layers(run, stage)
     if not first_dense_layers(m):
         return n * dense_l, n * expert_l
@@ -186,9 +186,11 @@ def shape_params(m: ModelSpec) -> int:
     return (m.layers - k) * (dense + expert) + k * dense_layer_params(m) + emb + norm_params(m) + head
 
 
-def stage_layers(m: ModelSpec, pp: Num, stage: Num) -> Num:
-    """Layers on pipeline stage `stage` (0-based): the remainder of L/pp goes to the first stages."""
-    return m.layers // pp + where(stage < m.layers % pp, 1, 0)
+def stage_layers(run: Run, stage: Num, n_stages: Num | None = None) -> Num:
+    """Layers on pipeline stage `stage` (0-based), as the profile's framework splits L over pp stages (or
+    `n_stages`: the harness's pp*vpp model chunks) when they do not divide it (`stage_first_layer`); L/pp each
+    where they do."""
+    return stage_first_layer(run, stage + 1, n_stages) - stage_first_layer(run, stage, n_stages)
 
 
 def stage_params(run: Run, stage: Num) -> tuple[Num, Num]:
@@ -293,10 +295,18 @@ def layer_matrix_stats(m: ModelSpec, tp: Num = 1, ep: Num = 1) -> tuple[Num, Num
     return elems, rows, count_total
 
 
-def stage_first_layer(m: ModelSpec, pp: Num, stage: Num) -> Num:
-    """Index of the first layer held by pipeline stage `stage`."""
-    base, rem = m.layers // pp, m.layers % pp
-    return stage * base + where(stage < rem, stage, rem)
+def stage_first_layer(run: Run, stage: Num, n_stages: Num | None = None) -> Num:
+    """Index of the first layer held by pipeline stage `stage`, with `base = L // pp` layers a stage and the
+    `extra = L % pp` left over placed as the profile's framework does:
+    - torch: torchtitan's `generate_split_points` (torchtitan/parallelisms/pipelining_utils.py, Dec 2024): the first
+      stage gets `base`, the middle stages `base + 1` while extras remain, the last stage the rest (126 layers over
+      8 stages: 15, 16 x 6, 15; the embedding and the head are not counted);
+    - megatron, deepspeed: the extras on the first stages (Megatron needs pp | L unless told otherwise)."""
+    n = run.pp if n_stages is None else n_stages
+    base, extra = run.model.layers // n, run.model.layers % n
+    if run.profile == "torch":
+        return stage * base + where(stage >= 1, imin(stage - 1, extra), 0)
+    return stage * base + where(stage < extra, stage, extra)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -325,7 +335,7 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
         return ParamSplit(dense, expert, 0, 0, 0, 0)
     from memcalc.specs import freeze_layers
 
-    n_layers = stage_layers(m, run.pp, stage)
+    n_layers = stage_layers(run, stage)
     scale_num, scale_den = (m.params_override, shape_params(m)) if m.params_override is not None else (1, 1)
     dense_l, expert_l = layer_params(m, run.tp, run.ep)
     lin, rows, mats = layer_matrix_stats(m, run.tp, run.ep)
@@ -342,7 +352,7 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
             mats = mats + where(last, 1, 0)
         return ParamSplit(adapters, 0 * dense, frozen_lin, rows, mats, dense + expert - frozen_lin)
     k = freeze_layers(t)
-    start = stage_first_layer(m, run.pp, stage)
+    start = stage_first_layer(run, stage)
     frozen_here = imin(imax(k - start, 0), n_layers)
     frozen = frozen_here * (dense_l + expert_l)
     if first_dense_layers(m):  # the frozen layers that are the model's first dense ones replace MoE layers
@@ -422,7 +432,7 @@ def matmul_weight_elems(run: Run, stage: Num) -> Num:
     emb = scaled(run, embedding_params(m, run.profile, run.tp))
     if m.tied_embeddings:  # the word matrix, the head's (a tied head has no bias: ModelSpec._check)
         emb = emb - where(stage == run.pp - 1, scaled(run, head_params(m, run.profile, run.tp)), 0)
-    n_norms = layer_norms(m) * stage_layers(m, run.pp, stage) + where(stage == run.pp - 1, 1, 0)
+    n_norms = layer_norms(m) * stage_layers(run, stage) + where(stage == run.pp - 1, 1, 0)
     norms = scaled(run, norm_params(m) * n_norms)
     dense, expert = stage_params(run, stage)
     return dense + expert - where(stage == 0, emb, 0) - norms
@@ -545,7 +555,7 @@ def stage_tensor_shapes(run: Run, stage: Num) -> list[tuple[Num, Num, Num]]:
     sharding (array-polymorphic: a count of 0 marks a tensor the stage does not hold). FSDP2 shards each tensor
     along dim 0 and pads dim 0 to a multiple of the shard group (torch/distributed/fsdp/_fully_shard/
     _fsdp_param.py `_init_sharded_param`), so its shards are sum(count * ceil(dim0 / D) * row) elements."""
-    n_layers = stage_layers(run.model, run.pp, stage)
+    n_layers = stage_layers(run, stage)
     n_dense = stage_dense_layers(run, stage)
     shapes = [(d0, row, c * (n_layers - n_dense)) for d0, row, c in layer_tensor_shapes(run)]
     if first_dense_layers(run.model):
@@ -574,7 +584,7 @@ def grad_ready_elems(run: Run, stage: int) -> tuple[int, ...]:
     if t.lora_rank is not None:
         per_layer = [x for _, a_elems, b_elems in lora_adapters(m, t.lora_targets, t.lora_rank, tp)
                      for x in (a_elems, b_elems)]
-        return tuple(reversed(per_layer * stage_layers(m, run.pp, stage)))
+        return tuple(reversed(per_layer * stage_layers(run, stage)))
     h = m.hidden
 
     def linears(shapes: list[tuple[Num, Num, int]], bias: bool) -> list[int]:
@@ -595,7 +605,7 @@ def grad_ready_elems(run: Run, stage: int) -> tuple[int, ...]:
     fwd: list[int] = []
     if stage == 0:
         fwd += [rows_v * h] + ([m.max_positions * h] if m.positions == "learned" else [])
-    fwd += layer * stage_layers(m, run.pp, stage)
+    fwd += layer * stage_layers(run, stage)
     if stage == run.pp - 1:
         fwd += norm
         if not m.tied_embeddings or run.pp > 1:

@@ -116,7 +116,7 @@ def _adafactor_elems(run: Run, n_elems: Num, stage: Num) -> Num:
     factored, matrix_elems = fa + fm, ea + em
     dense_l, expert_l = layer_params(m, run.tp, run.ep)
     vectors = dense_l + expert_l - matrix_elems  # norms and biases
-    n_layers = stage_layers(m, run.pp, stage)
+    n_layers = stage_layers(run, stage)
     rows_v = cdiv(padded_vocab(m, run.profile, run.tp), run.tp)
     emb = rows_v + h + (m.max_positions + h if m.positions == "learned" else 0)
     head = where(stage == 0, 0, rows_v + h) if m.tied_embeddings else rows_v + h + (rows_v if m.head_bias else 0)

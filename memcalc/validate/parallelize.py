@@ -258,12 +258,12 @@ def fsdp_buffer_storages(model: nn.Module) -> list[torch.Tensor]:
 
 
 def split_stage(model: GPT, stage: int, pp: int, run: Run) -> GPT:
-    """Keep the layers of `stage` (the remainder of L/pp on the first stages, memcalc/cost/params.py), the
+    """Keep the layers of `stage` (split as the profile's framework splits them, memcalc/cost/params.py), the
     embedding on the first stage and the final norm + head on the last; a tied head gets its own copy."""
     from memcalc.cost.params import stage_layers
 
     L = run.model.layers
-    counts = [int(stage_layers(run.model, pp, s)) for s in range(pp)]
+    counts = [int(stage_layers(run, s, pp)) for s in range(pp)]
     start = sum(counts[:stage])
     keep = {str(i) for i in range(start, start + counts[stage])}
     for name in [n for n in model.layers.keys() if n not in keep]:
