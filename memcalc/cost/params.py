@@ -188,9 +188,13 @@ def shape_params(m: ModelSpec) -> int:
 
 def stage_layers(run: Run, stage: Num, n_stages: Num | None = None) -> Num:
     """Layers on pipeline stage `stage` (0-based), as the profile's framework splits L over pp stages (or
-    `n_stages`: the harness's pp*vpp model chunks) when they do not divide it (`stage_first_layer`); L/pp each
-    where they do."""
-    return stage_first_layer(run, stage + 1, n_stages) - stage_first_layer(run, stage, n_stages)
+    `n_stages`: the harness's pp*vpp model chunks) when they do not divide it: `stage_first_layer(stage + 1) -
+    stage_first_layer(stage)`, which is L // pp plus one on stages 1..L % pp (torch) or 0..L % pp - 1 (others)."""
+    n = run.pp if n_stages is None else n_stages
+    base, extra = run.model.layers // n, run.model.layers % n
+    if run.profile == "torch":
+        return base + where((stage >= 1) & (stage <= extra), 1, 0)
+    return base + where(stage < extra, 1, 0)
 
 
 def stage_params(run: Run, stage: Num) -> tuple[Num, Num]:
