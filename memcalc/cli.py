@@ -89,7 +89,8 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "qk_rope_dim": (Optional[int], None, _opt("--qk-rope-dim", help="MLA: per-head rotary query/key width.",
                     panel=_M)),
     "v_head_dim": (Optional[int], None, _opt("--v-head-dim", help="MLA: per-head value width.", panel=_M)),
-    "seq": (int, 4096, _opt("--seq", help="Sequence length (tokens).", panel=_T)),
+    "seq": (Optional[int], None, _opt("--seq", help="Sequence length (tokens). Default 4096, or the model's "
+            "learned-position table where it is shorter (GPT-2: 1024).", panel=_T, show_default=False)),
     "micro_batch": (int, 1, _opt("--micro-batch", "--mb", help="Sequences per micro-batch per GPU.", panel=_T)),
     "global_batch": (Optional[int], None, _opt("--global-batch", help="Sequences per optimizer step (sets "
                      "grad-accum = global / (micro-batch * dp)).", panel=_T)),

@@ -138,7 +138,7 @@ class RunOptions:
     qk_nope_dim: int | None = None
     qk_rope_dim: int | None = None
     v_head_dim: int | None = None
-    seq: int = 4096
+    seq: int | None = None  # None: DEFAULT_SEQ, or a learned-position table's length where shorter (`_seq_of`)
     micro_batch: int = 1
     global_batch: int | None = None
     grad_accum: int | None = None
@@ -301,6 +301,22 @@ def _architecture(o: RunOptions, data: dict[str, Any], explicit_kv: bool) -> lis
     return list(given)
 
 
+DEFAULT_SEQ = 4096
+
+
+def _seq_of(o: RunOptions, model: ModelSpec) -> int:
+    """--seq, or its default: DEFAULT_SEQ, shortened to a learned-position table (GPT-2's 1024 rows), which no
+    longer sequence can index. A longer --seq there is an input error (--max-positions models a longer table)."""
+    table = model.max_positions if model.positions == "learned" else 0
+    if o.seq is None:
+        return min(DEFAULT_SEQ, table) if table else DEFAULT_SEQ
+    if table and o.seq > table:
+        name = model.display_name or model.name
+        raise InputError(f"--seq {o.seq} exceeds the {table} learned positions of {name} (its position table has "
+                         f"{table} rows); valid: --seq 1..{table}, or --max-positions {o.seq} for a longer table")
+    return o.seq
+
+
 def build_model(o: RunOptions) -> tuple[ModelSpec, str | None]:
     """The model and, with --params alone, the name of the reference shape assumed."""
     from memcalc.presets import load_model, reference_shape
@@ -324,7 +340,7 @@ def build_model(o: RunOptions) -> tuple[ModelSpec, str | None]:
     if model is None:
         missing = [FLAG_OF[k] for k in ("layers", "hidden", "heads", "ffn", "vocab") if k not in overrides]
         if overrides.get("positions") == "learned" and "max_positions" not in overrides:
-            overrides["max_positions"] = o.seq  # learned positions need a table: default to the sequence length
+            overrides["max_positions"] = o.seq or DEFAULT_SEQ  # learned positions need a table: the sequence's
         if missing:
             raise InputError(
                 "give --model NAME|PATH, or --params N (e.g. 7B), or all of --layers --hidden --heads --ffn --vocab "
@@ -335,7 +351,7 @@ def build_model(o: RunOptions) -> tuple[ModelSpec, str | None]:
         data = model.model_dump()
         if (overrides.get("positions") == "learned" and not data.get("max_positions")
                 and "max_positions" not in overrides):
-            overrides["max_positions"] = o.seq
+            overrides["max_positions"] = o.seq or DEFAULT_SEQ
         data.update(overrides)
         if "heads" in overrides and "kv_heads" not in overrides:
             data["kv_heads"] = overrides["heads"] if model.kv_heads == model.heads else model.kv_heads
@@ -454,7 +470,7 @@ def build_run(o: RunOptions) -> Run:
     hardware = build_hardware(o)
     try:
         training = TrainingSpec(
-            seq=o.seq, micro_batch=o.micro_batch, global_batch=o.global_batch, grad_accum=o.grad_accum,
+            seq=_seq_of(o, model), micro_batch=o.micro_batch, global_batch=o.global_batch, grad_accum=o.grad_accum,
             precision=o.precision, master_weights=o.master_weights, grad_dtype=o.grad_dtype, optimizer=o.optimizer,
             recompute=o.recompute, recompute_layers=o.recompute_layers, attention=o.attention, loss=o.loss,
             keep_logits=o.keep_logits, peak_step=o.peak_step,

@@ -27,6 +27,7 @@ BAD_INPUTS = [
     (["-m", "deepseek-v2-lite", "--head-dim", "64"], "--head-dim 64 with multi-head latent attention"),
     (["-m", "mixtral-8x7b", "--first-dense-layers", "32"], "first_dense_layers 32 leaves no MoE layer of 32"),
     (["--model", "llama-2-7b", "--tp", "3"], "--tp 3"),
+    (["--model", "gpt2", "--seq", "2048"], "--seq 2048 exceeds the 1024 learned positions of GPT-2"),
     (["--model", "llama-2-7b", "--gpus", "64", "--tp", "8", "--pp", "16"], "--gpus 64"),
     (["--params", "7B", "--zero", "4"], "--zero 4"),
     (["--model", "lama-2-7b"], "llama-2-7b"),  # suggests the closest name
@@ -157,6 +158,15 @@ def test_json_contract_and_round_trip():
     # every resolved input is explicit
     assert d["inputs"]["parallel"]["dp"] == 64
     assert d["inputs"]["recipe"]["param_dtype"] == "fp32"
+
+
+def test_default_seq_fits_a_learned_position_table():
+    """--seq defaults to 4096, or to a learned-position table's rows where fewer: GPT-2 has 1024 (n_positions), the
+    Korthikanti GPT models 2048; rotary models keep 4096. --max-positions models a longer table."""
+    for model, seq in (("gpt2", 1024), ("gpt-22b", 2048), ("llama-2-7b", 4096)):
+        assert cli_json("estimate", "--model", model)["inputs"]["training"]["seq"] == seq, model
+    d = cli_json("estimate", "--model", "gpt2", "--seq", "4096", "--max-positions", "4096")
+    assert d["inputs"]["training"]["seq"] == 4096 and d["inputs"]["model"]["max_positions"] == 4096
 
 
 def test_units_gb_vs_gib():

@@ -27,7 +27,9 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _fmt_err(e: float | None) -> str:
-    return "n/a" if e is None else f"{e * 100:+.2f}%"
+    if e is None:
+        return "n/a"
+    return f"{e * 100:+.2f}%" if abs(e) < 10 else ("+>999%" if e > 0 else "->999%")
 
 
 def render(report: dict[str, Any]) -> str:
@@ -46,6 +48,11 @@ def render(report: dict[str, Any]) -> str:
                      f"{_fmt_err(r['error']):>9}  {r['verdict']}")
     lines.append(f"tracked peak: predicted {_fmt_bytes(p['peak_bytes'])} ({p['peak_phase']}), measured "
                  f"{_fmt_bytes(m['peak_bytes'])} ({m['peak_phase']})")
+    if report.get("peak_moments_differ"):
+        lines.append(f"the two peaks are different moments (activations live: predicted "
+                     f"{_fmt_bytes(p['components'].get('activations', 0))}, measured "
+                     f"{_fmt_bytes(m['components'].get('activations', 0))}): the `moment` rows compare two moments, "
+                     "not one; the phase and total rows compare each phase's highest moment")
     if p["set_aside"]:
         lines.append("set aside from the tracked figures (GPU-only terms, not tensor bytes): "
                      + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in p["set_aside"].items()))

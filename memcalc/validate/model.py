@@ -245,6 +245,12 @@ class Attention(nn.Module):
             gqa = k.shape[1] != q.shape[1]  # fused QKV / --gqa-impl expand have expanded K/V already
             if gqa and q.dtype == torch.float32 and not q.is_cuda:
                 return _sdpa_math(q, k, v, p)
+            if not q.is_cuda:
+                # CUDA's flash and memory-efficient kernels drop out inside the kernel and save only its RNG state
+                # (philox seed and offset); CPU's flash kernel takes no dropout, so SDPA would fall back to the math
+                # path and save s x s probabilities and a mask per layer. The harness measures memory: on the CPU it
+                # runs the kernel without dropout, which allocates and saves what the GPU's does.
+                p = 0.0
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(self.rep, dim=1)
