@@ -1578,7 +1578,13 @@ def _fsdp_root_backward(run: Run) -> Num:
     if run.profile != "torch" or frozen:
         return _NEVER
     c = DTYPE_BYTES[run.recipe.compute_dtype]
-    grads = (2 if run.model.tied_embeddings else 1) * c * word_embedding_elems(run)
+    m = run.model
+    grads = (2 if m.tied_embeddings else 1) * c * word_embedding_elems(run)
+    if m.positions == "learned":
+        # the position table's dense gradient, already its `.grad`: `x = wte(ids) + wpe(pos)` creates the position
+        # lookup last, so autograd runs its backward first (GPT-2 at 2 ranks: 1024 x 768 x 2 B, the whole gap of
+        # the end of backward)
+        grads = grads + c * scaled(run, m.max_positions * m.hidden)
     # under TP the dense gradient is replicated (params.replicated_embedding_grad), and the post-backward's
     # redistribution to the vocab shard clones the shard beside it before freeing it (row 151)
     extra, shard = replicated_embedding_grad(run, 0, under_fsdp=True)

@@ -201,8 +201,11 @@ def mark_other_moment(rows: list[dict[str, Any]], total_error: float | None, tol
     components describe that moment: their `miss` rows become `moment` (the phase and total rows stay the test).
     Returns whether it did."""
     comp = {r["name"]: r for r in rows if r["section"] == "peak_components"}
-    differ = (total_error is not None and abs(total_error) <= tolerance and "activations" in comp
-              and comp["activations"]["verdict"] == "miss")
+    total = next((r["measured"] for r in rows if r["section"] == "total"), 0)
+    acts = comp.get("activations")
+    # the activations must differ by a share of the peak, not by a few stray bytes (4 B against 0 is one moment)
+    differ = (total_error is not None and abs(total_error) <= tolerance and acts is not None
+              and acts["verdict"] == "miss" and abs(acts["predicted"] - acts["measured"]) > tolerance * total)
     if differ:
         for r in comp.values():
             if r["verdict"] == "miss":
