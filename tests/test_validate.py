@@ -253,6 +253,10 @@ def test_unsupported_is_one_line_exit_2():
     code, out, err = cli("validate", *_flags(TINY), "--device", "cpu", "--gpus", "2", "--pp", "2")
     assert code == 2 and "needs at least as many micro-batches as stages" in err
     assert len(err.strip().splitlines()) == 1
+    # fake tensors cannot route experts (data-dependent shapes): said up front, not as a rank's failure
+    code, out, err = cli("validate", "--model", "mixtral-8x7b", "--layers", "2", "--seq", "64", "--device", "meta",
+                         "--world", "fake")
+    assert code == 2 and "cannot route a mixture of experts" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_json_and_exit_status():

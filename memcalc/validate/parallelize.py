@@ -103,6 +103,11 @@ def check_supported(run: Run, world: str, device: str) -> None:
         if run.zero in (0, 1) and run.dp > 1:
             raise Unsupported("--device meta (fake tensors) does not run DDP or ZeroRedundancyOptimizer; use "
                               "--device cpu or --zero 2/3")
+        if m.moe is not None:
+            # the router's dispatch (`torch.where` on the one-hot mask) has data-dependent shapes, which fake
+            # tensors cannot give
+            raise Unsupported("--device meta (fake tensors) cannot route a mixture of experts (the dispatch's "
+                              "shapes depend on the data); use --device cpu, with --layers N to keep it small")
     if run.recipe.master_weights and (run.zero == 1 or run.zero >= 2):
         raise Unsupported("a separate fp32 master copy (low-precision grads) with --zero >= 1 is not built by the "
                           "harness; use fp32 grads (FSDP2 MixedPrecisionPolicy) instead")
