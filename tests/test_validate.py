@@ -325,3 +325,20 @@ def test_fsdp_end_of_backward_holds_the_position_table_gradient(zero):
                 gpus=2, zero=zero)
     back = next(r for r in rep["rows"] if r["section"] == "phases" and r["name"] == "backward")
     assert abs(back["predicted"] - back["measured"]) < 16 * 1024, back
+
+
+@pytest.mark.xfail(strict=False, reason="open (found in session 31): on an interleaved torch pipeline's last stage "
+                                         "memcalc's end of a later micro-batch's backward (backward_later_end_bytes) "
+                                         "is 12.4 MB above anything ScheduleInterleaved1F1B holds")
+def test_interleaved_last_stage_with_a_wide_vocabulary():
+    """torch's ScheduleInterleaved1F1B, pp 2 x vpp 2, 4 micro-batches, 1 layer per chunk, vocabulary 8192 at 256
+    tokens: rank 1 (stages 1 and 3, the loss) measured 210,918,500 B; memcalc predicts 223,360,000 (+5.9%). Its
+    timeline's later loss-gradient moment is the measurement to 20 bytes (activations 48,856,064 B against
+    48,856,084); what is over is the end of a later micro-batch's backward (timeline `backward_later_end_bytes`,
+    the weights' compute-dtype gradients waiting under the step-wide autocast): 12,441,600 B more activations,
+    growing with the vocabulary (+2.3% at 2048, +9.6% at 32768) and gone at seq 512, where another moment is the
+    peak. Undiagnosed; the torch schedule's order for rank 1 is F s1 m0, F s1 m1, then (F, B) pairs s3 m0, s3 m1,
+    s1 m2 / B s1 m0, s1 m3 / B s1 m1, s3 m2, s3 m3, then B s1 m2, s1 m3."""
+    _, rep = _v(layers=4, hidden=512, heads=8, kv_heads=2, ffn=1024, vocab=8192, seq=256, precision="bf16",
+                gpus=2, pp=2, vpp=2, schedule="interleaved", grad_accum=4)
+    assert abs(rep["error"]) <= 0.01, rep["error"]
