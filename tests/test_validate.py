@@ -337,7 +337,8 @@ def test_interleaved_last_stage_with_a_wide_vocabulary():
     48,856,084); what is over is the end of a later micro-batch's backward (timeline `backward_later_end_bytes`,
     the weights' compute-dtype gradients waiting under the step-wide autocast): 12,441,600 B more activations,
     growing with the vocabulary (+2.3% at 2048, +9.6% at 32768) and gone at seq 512, where another moment is the
-    peak. Undiagnosed; the torch schedule's order for rank 1 is F s1 m0, F s1 m1, then (F, B) pairs s3 m0, s3 m1,
+    peak. `_later_backward_end` takes that moment with the most model chunks held, an upper bound by design; a
+    wide head on a one-layer chunk is where the bound shows. The torch schedule's order for rank 1 is F s1 m0, F s1 m1, then (F, B) pairs s3 m0, s3 m1,
     s1 m2 / B s1 m0, s1 m3 / B s1 m1, s3 m2, s3 m3, then B s1 m2, s1 m3."""
     _, rep = _v(layers=4, hidden=512, heads=8, kv_heads=2, ffn=1024, vocab=8192, seq=256, precision="bf16",
                 gpus=2, pp=2, vpp=2, schedule="interleaved", grad_accum=4)
