@@ -327,19 +327,29 @@ def test_fsdp_end_of_backward_holds_the_position_table_gradient(zero):
     assert abs(back["predicted"] - back["measured"]) < 16 * 1024, back
 
 
-@pytest.mark.xfail(strict=False, reason="open (found in session 31): on an interleaved torch pipeline's last stage "
-                                         "memcalc's end of a later micro-batch's backward (backward_later_end_bytes) "
-                                         "is 12.4 MB above anything ScheduleInterleaved1F1B holds")
-def test_interleaved_last_stage_with_a_wide_vocabulary():
-    """torch's ScheduleInterleaved1F1B, pp 2 x vpp 2, 4 micro-batches, 1 layer per chunk, vocabulary 8192 at 256
-    tokens: rank 1 (stages 1 and 3, the loss) measured 210,918,500 B; memcalc predicts 223,360,000 (+5.9%). Its
-    timeline's later loss-gradient moment is the measurement to 20 bytes (activations 48,856,064 B against
-    48,856,084); what is over is the end of a later micro-batch's backward (timeline `backward_later_end_bytes`,
-    the weights' compute-dtype gradients waiting under the step-wide autocast): 12,441,600 B more activations,
-    growing with the vocabulary (+2.3% at 2048, +9.6% at 32768) and gone at seq 512, where another moment is the
-    peak. `_later_backward_end` takes that moment with the most model chunks held, an upper bound by design; a
-    wide head on a one-layer chunk is where the bound shows. The torch schedule's order for rank 1 is F s1 m0, F s1 m1, then (F, B) pairs s3 m0, s3 m1,
-    s1 m2 / B s1 m0, s1 m3 / B s1 m1, s3 m2, s3 m3, then B s1 m2, s1 m3."""
-    _, rep = _v(layers=4, hidden=512, heads=8, kv_heads=2, ffn=1024, vocab=8192, seq=256, precision="bf16",
-                gpus=2, pp=2, vpp=2, schedule="interleaved", grad_accum=4)
+INTERLEAVED_WIDE_HEAD = dict(layers=4, hidden=512, heads=8, kv_heads=2, ffn=1024, vocab=8192, seq=256,
+                             precision="bf16", gpus=2, pp=2, vpp=2, schedule="interleaved")
+
+
+@pytest.mark.parametrize("ga", [4, 8])
+def test_interleaved_last_stage_with_a_wide_vocabulary(ga):
+    """torch's ScheduleInterleaved1F1B, pp 2 x vpp 2, 1 layer per chunk, vocabulary 8192 at 256 tokens, bf16
+    autocast: rank 1 holds stages 1 and 3 (the loss). Its order is F s1 m0, F s1 m1, then (F, B) pairs: s3 m0,
+    s3 m1, (F s1 m2, B s1 m0), (F s1 m3, B s1 m1), s3 m2, s3 m3, ... A later micro-batch's backward of the loss
+    chunk ends with its loss terms consumed and its logits counted once; memcalc kept both among the other
+    micro-batches' units there: 223,360,000 B predicted against 210,918,500 measured at 4 micro-batches (+5.9%;
+    +9.6% at a 32768 vocabulary). Now the prediction is the measurement to about 100 B."""
+    _, rep = _v(**INTERLEAVED_WIDE_HEAD, grad_accum=ga)
+    assert rep["measured"]["stage"] == 1
+    assert abs(rep["error"]) <= 0.0005, rep["error"]
+
+
+@pytest.mark.xfail(strict=False, reason="open (found in session 31): with as many micro-batches as stages the loss "
+                                         "chunk's later backwards come before any other chunk's, whose gradients "
+                                         "memcalc already counts there")
+def test_interleaved_last_stage_with_one_round_of_micro_batches():
+    """The same with 2 micro-batches (m = pp, one round): B s3 m1 runs before B s1 m0, so only the loss chunk's
+    gradients exist at the later loss gradient; memcalc counts the stage's (+10.9%: 217,006,080 B against
+    195,701,852)."""
+    _, rep = _v(**INTERLEAVED_WIDE_HEAD, grad_accum=2)
     assert abs(rep["error"]) <= 0.01, rep["error"]

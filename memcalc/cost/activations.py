@@ -1912,7 +1912,14 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     freed = unit_gpu if run.schedule == "interleaved" else unit_gpu + extra
     later_units = imin(units, total_units - 1)  # held when a later backward starts (steady state or drain)
     held_later = held - (units - later_units) * freed
-    later_end, cast_grads = _later_backward_end(run, stage, held_later - freed, sent) if not off else (_NEVER, 0)
+    # interleaved: on the last stage the ending backward is the loss chunk's (the upper bound of
+    # `_later_backward_end`), whose micro-batch has consumed its loss terms and whose output `_later_backward_end`
+    # counts itself: neither stays among the others held
+    own = 0
+    if run.schedule == "interleaved":
+        own = where(last, last_saved + every_stage_terms(run, stage).get("pipeline_output", 0), 0)
+    later_end, cast_grads = (_later_backward_end(run, stage, held_later - freed - own, sent) if not off
+                             else (_NEVER, 0))
     if run.profile == "torch" and run.zero >= 2 and not off:
         # torch pipelining over FSDP2: the first backward's end holds the other micro-batches in flight too, with the
         # same accumulated gradients and unsharded units as a later one's (`_later_backward_end`)
