@@ -9,6 +9,7 @@ fits, or only a costlier one does, `combine` stacks the cheapest changes on the 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from memcalc.specs import QUANTIZED, Run, _recipe, a2a_cp_limit
 
@@ -160,7 +161,7 @@ def tokens_per_second_per_gpu(run: Run) -> float:
     return float(tokens_per_second(run)) / run.gpus if peak_flops_per_gpu(run) > 0 else 0.0
 
 
-def advise_combined(run: Run, peak: int, singles: list):
+def advise_combined(run: Run, peak: int, singles: list) -> Any:
     """The stacked changes (`combine`) as one Advice where the peak does not fit and they beat every single change
     that fits on throughput (or none fits); else None."""
     from memcalc.cost.estimate import Advice

@@ -9,7 +9,7 @@ from rich.text import Text
 from memcalc.cost.estimate import Estimate
 from memcalc.cost.fragmentation import fraction
 from memcalc.cost.params import zero1_partition_applies
-from memcalc.cost.states import ADAM8BIT_BLOCK
+from memcalc.cost.states import ADAM8BIT_BLOCK, optimizer_state_bytes
 from memcalc.specs import DTYPE_BYTES, Run
 from memcalc.xp import cdiv
 from memcalc.units import format_bytes
@@ -23,11 +23,10 @@ def render_explain(est: Estimate, run: Run, con: Console, units: str) -> None:
     mem = est.memory
     con.print()
     con.print(Text("How the figures are computed (sources: docs/methodology.md)", style="bold"))
-    for text in _model_state_lines(est, run, units):
-        if text.startswith("Model states"):
-            con.print(Text(text, style="bold"))
-        else:
-            _line(con, text)
+    head, lines = _model_state_lines(est, run, units)
+    con.print(Text(head, style="bold"))
+    for text in lines:
+        _line(con, text)
     if run.offload != "none":
         _line(con, f"offloaded to CPU: {format_bytes(mem.cpu_offload_bytes, units)}")
     if run.training.offload_activations:
@@ -131,24 +130,25 @@ def _elsewhere(run: Run, held: int, formula: int) -> str:
     return ""
 
 
-def _optimizer_state_text(run: Run) -> tuple[str, int | None]:
-    """Bytes of optimizer state per stepped element, in words and as a figure (None where not one constant)."""
+def _optimizer_state_words(run: Run) -> str:
+    """The optimizer state per stepped element, in words (the bytes: states.optimizer_state_bytes)."""
     opt = run.training.optimizer
     md = run.recipe.moment_dtype
     mb = DTYPE_BYTES[md]
     if opt in ("adam", "adamw"):
-        return f"2 moments x {mb} B ({md})", 2 * mb
+        return f"2 moments x {mb} B ({md})"
     if opt in ("lion", "sgd-momentum"):
-        return f"1 momentum x {mb} B ({md})", mb
+        return f"1 momentum x {mb} B ({md})"
     if opt == "sgd":
-        return "no state", 0
+        return "no state"
     if opt == "adam-8bit":
-        return f"2 x 1 B + 2 fp32 absmax per {ADAM8BIT_BLOCK} elements", None
-    return f"row and column statistics per matrix, the whole second moment of vectors, {mb} B ({md})", None
+        return f"2 x 1 B + 2 fp32 absmax per {ADAM8BIT_BLOCK} elements"
+    return f"row and column statistics per matrix, the whole second moment of vectors, {mb} B ({md})"
 
 
-def _model_state_lines(est: Estimate, run: Run, units: str) -> list[str]:
-    """The model states as element counts times bytes, each product equal to the figure it explains."""
+def _model_state_lines(est: Estimate, run: Run, units: str) -> tuple[str, list[str]]:
+    """The model states' heading, and their lines as element counts times bytes, each product equal to the figure
+    it explains."""
     det = est.memory.model_states_detail
     r, t = run.recipe, run.training
     z, d = run.zero, run.shard_degree
@@ -160,7 +160,8 @@ def _model_state_lines(est: Estimate, run: Run, units: str) -> list[str]:
         head += f", of which T = {trainable:,} train"
     else:
         head += " (T = N: all train)"
-    lines = [head + f"; ZeRO-{z} shard group dp*cp = {d}"]
+    head += f"; ZeRO-{z} shard group dp*cp = {d}"
+    lines: list[str] = []
     pb, gb = DTYPE_BYTES[r.param_dtype], DTYPE_BYTES[r.grad_dtype]
     pe, frozen = det["param_elems"], det["frozen_params_bytes"]
     versions = det["weight_versions"]
@@ -188,16 +189,12 @@ def _model_state_lines(est: Estimate, run: Run, units: str) -> list[str]:
     if r.fp32_grad_copy:
         lines.append(f"fp32 grad copy = {stepped:,} ({rule}) x 4 B = {fb(4 * stepped)}"
                      + _elsewhere(run, det["grads_fp32_copy"], 4 * stepped))
-    words, per = _optimizer_state_text(run)
     held = det["optimizer_moments"]
-    text = f"optimizer      = {stepped:,} stepped ({rule}) x {words} ({t.optimizer})"
-    if per is not None:
-        formula = per * stepped
-        text += f" = {fb(formula)}"
-        if held > formula:  # torch SGD clones the replicated embedding gradient into its momentum
-            text += f" + {fb(held - formula)} of momentum cloned from the replicated embedding gradient"
-            formula = held
-        lines.append(text + _elsewhere(run, held, formula))
-    else:
-        lines.append(text + f" = {fb(held)}")
-    return lines
+    formula = int(optimizer_state_bytes(run, stepped, est.memory.reported_stage))
+    text = (f"optimizer      = {stepped:,} stepped ({rule}) x {_optimizer_state_words(run)} ({t.optimizer}) = "
+            f"{fb(formula)}")
+    if held > formula:  # torch SGD clones the replicated embedding gradient into its momentum
+        text += f" + {fb(held - formula)} of momentum cloned from the replicated embedding gradient"
+        formula = held
+    lines.append(text + _elsewhere(run, held, formula))
+    return head, lines

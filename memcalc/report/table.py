@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from memcalc.cost.estimate import Estimate
+from memcalc.cost.estimate import Advice, Estimate
 from memcalc.specs import Run
 from memcalc.units import UNIT_BYTES, format_bytes, format_count
 
@@ -256,25 +256,26 @@ def _render_verdict(est: Estimate, con: Console, units: str) -> None:
         con.print(Text(f"(not yet modelled, so not in the peak: {', '.join(mem.not_modelled)})", style="yellow"))
     comp = est.compute
     per_gpu = comp.tokens_per_second / est.inputs["parallel"]["gpus"] if comp.modelled else 0.0
+
+    def cost(a: Advice) -> str:
+        # what the change costs, from the time model (kernel efficiency held at the assumed figure)
+        after = a.tokens_per_second_per_gpu_after
+        return f"; tokens/s per GPU {after / per_gpu - 1:+.0%}" if per_gpu > 0 and after > 0 else ""
+
     if mem.advice:
         head = "What would help:" if not mem.fits else "Ways to lower the peak:"
         con.print(head)
         width = max(len(a.flags) for a in mem.advice)
         for a in mem.advice:
             verdict = "fits" if a.fits_after else "still short"
-            # what the change costs, from the time model (kernel efficiency held at the assumed figure)
-            cost = (f"; tokens/s per GPU {a.tokens_per_second_per_gpu_after / per_gpu - 1:+.0%}"
-                    if per_gpu > 0 and a.tokens_per_second_per_gpu_after > 0 else "")
             con.print(f"  {a.flags:<{width}}  {a.change}: saves {format_bytes(a.saves_bytes, units)} → "
-                      f"{format_bytes(a.peak_bytes_after, units)} ({verdict}){cost}", markup=False)
+                      f"{format_bytes(a.peak_bytes_after, units)} ({verdict}){cost(a)}", markup=False)
     c = mem.advice_combined
     if c is not None:
-        cost = (f"; tokens/s per GPU {c.tokens_per_second_per_gpu_after / per_gpu - 1:+.0%}"
-                if per_gpu > 0 and c.tokens_per_second_per_gpu_after > 0 else "")
         how = "stacked, on the same" if " + " in c.change else "on the same"
         con.print(f"Or, {how} {est.inputs['parallel']['gpus']} GPUs: {c.flags}  ({c.change}): "
                   f"saves {format_bytes(c.saves_bytes, units)} → {format_bytes(c.peak_bytes_after, units)} "
-                  f"(fits){cost}", markup=False)
+                  f"(fits){cost(c)}", markup=False)
     elif not mem.fits and not any(a.fits_after for a in mem.advice):
         con.print(f"No single change fits, nor the cheaper ones stacked: `memcalc plan` with this model, --gpus "
                   f"{est.inputs['parallel']['gpus']} and --global-batch {est.inputs['training']['global_batch']} "
