@@ -21,6 +21,10 @@ Two stand-ins, both allocation-neutral:
 - `copy.deepcopy` of a fake tensor leaves the fake mode, so torchtune's `_get_clones` (32 deep copies of the first
   layer) is replaced by a copy that clones every parameter and buffer in this mode, in deepcopy's order (a
   module's parameters, then its buffers, then its submodules; NF4 weights through their inner tensors).
+One blind spot: the tracker is a dispatch mode, so the ops that a tensor subclass runs inside its own
+`__torch_dispatch__` are below it and not counted: torchao's NF4 dequantization (`get_original_weight`, 14 bytes
+per weight at its peak, measured on an H100) is seen only as its bf16 output, and the QLoRA variant's training
+figures here leave those temporaries out (docs/published-finetune.md D).
 The recipe loads the checkpoint on the CPU and copies it into the parameters in place, so loading allocates
 nothing on the GPU and is not run. The allocator replay is memcalc/validate/allocator.py (validated to the byte
 against an H100's `max_memory_reserved` on the harness's runs: docs/validation.md). Nothing is emptied: torchtune

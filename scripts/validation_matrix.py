@@ -468,6 +468,15 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     add("PP2 interleaved vpp 2 bf16 AMP, 1-layer chunks, vocab 8192: the loss chunk's later backward end", dict(
         layers=4, hidden=512, heads=8, kv_heads=2, ffn=1024, vocab=8192, seq=256, precision="bf16", gpus=2, pp=2,
         vpp=2, grad_accum=4, schedule="interleaved"))
+    # torchtune's QLoRA layer (torchao's NF4 dequantization, eager: 8 n + 2 c n + c n / 64 bytes of temporaries
+    # for n weights, activations.dequant_scratch; tests/test_torchao_nf4.py) under its recompute situations
+    TQ = dict(Q, micro_batch=2, quant_backend="torchao")
+    add("QLoRA nf4 torchao r=4 all + dropout, full recompute, fp32 norms: the re-run passes the down projection",
+        dict(TQ, lora_targets="all", lora_dropout=0.05, recompute="full", norm_impl="fp32", keep_logits="fp32"))
+    add("QLoRA nf4 torchao r=4 q,v, full recompute: the down projection's backward first, the re-run to the up one",
+        dict(TQ, lora_targets="qv", recompute="full"))
+    add("QLoRA nf4 torchao r=4 all, no recompute, fp32 norms: the down projection's dequantization",
+        dict(TQ, lora_targets="all", norm_impl="fp32"))
     return c
 
 

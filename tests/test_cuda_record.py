@@ -29,9 +29,17 @@ EXPANDABLE = json.loads((ROOT / "docs/data/validation-cuda-expandable.json").rea
 ALLOCATED_MISSES = {
     18: "-2.7%: Hugging Face's MoE block on CUDA allocates 260-340 MiB that no tensor owns (kernels' own scratch "
         "in the routing / expert dispatch ops; the tracked tensor bytes agree with memcalc to +0.01%)",
+    28: "-1.8%: the same MoE block (DeepSeek-V2-Lite's 64 experts, top-6) on CUDA: 219-296 MiB that no tensor "
+        "owns beyond the cuBLAS workspaces; the tracked tensor bytes agree with memcalc to -0.00%",
 }
 # (row, phase) pairs memcalc misses by more than 1% where the row's peak is within it
 PHASE_MISSES = {
+    (22, "optimizer"): "-3.1% (78 MiB): GPT-2 (flash attention with dropout, learned positions) on the default "
+                       "allocator peaks 72-78 MiB above the tracked bytes and the cuBLAS workspaces in every phase, "
+                       "the optimizer's included, in both of two runs; with expandable segments not (its row there "
+                       "is within 0.01%). MEMCALC_CUDA_DIAG finds no untracked block but the workspaces held at "
+                       "forward end or step end (65 MiB), and per-op scratch up to 132 MiB in aten.sum.dim_IntList "
+                       "(the biases' gradients): not attributed; the row's peak is a backward moment (-0.75%)",
     (21, "forward"): "-3.0% (158 MiB): SDPA's math fallback runs `_safe_softmax`, which on CUDA allocates a bool "
                      "mask of the scores (128 MiB here, read per op with MEMCALC_CUDA_DIAG) and ~30 MiB more, "
                      "not modelled; the row's peak is a backward moment",
@@ -42,6 +50,11 @@ PHASE_MISSES = {
 # +2.3%) and 21 (-18.7% -> -4.8%) within 7%, row 2 from -24.0% and row 19 from -22.1%, and rows 9, 13 and 16 out,
 # above (+0.3%, -5.7%, -2.5% before): on small models later activations fit part of the temporaries' blocks
 RESERVED_MISSES = {
+    26: "+10.1%: Ulysses context parallelism over the fake process group (its all-to-all outputs are new tensors "
+        "of every size); not replayed (the harness's CP does not run on fake tensors), not attributed",
+    30: "-10.3%: Llama-3.2-1B, SGD, selective recompute, 4 x 4096 tokens: 60.2 GiB reserved for a 48.5 GiB "
+        "peak; the default-policy replay is 13% low too (52.4 GiB) while its expandable replay is exact, so the "
+        "gap is an allocator behaviour the replay lacks, not attributed",
     2: "-10.5% (-24.0% before the first step's temporaries): FSDP2 ZeRO-3 over 8 ranks; the side streams' pools "
        "are as modelled (all-gather 954 MiB, reduce-scatter 3,262 MiB measured); the compute stream reserves 19.05 "
        "GiB, of which 3.29 GiB is the first step's sqrt(v) list (replay, foreach minus fused), the rest unsharded "
@@ -74,7 +87,7 @@ def _err(p: int, m: int) -> float:
 
 def test_every_recorded_row_ran_on_the_h100():
     assert DEFAULT["probe"]["device"] == EXPANDABLE["probe"]["device"] == "NVIDIA H100 80GB HBM3"
-    assert [e["id"] for e in DEFAULT["results"]] == list(range(1, 22))
+    assert [e["id"] for e in DEFAULT["results"]] == list(range(1, 32))
     assert all("report" in e for e in DEFAULT["results"] + EXPANDABLE["results"])
     # the labels and configurations are the script's own (a record of what it runs now)
     confs = gv.configurations()
@@ -96,10 +109,23 @@ def test_allocated_peak_within_1pct_of_max_memory_allocated(e):
         assert abs(err) <= 0.01, (name, p["phases"][name], ph["measured"])
 
 
-@pytest.mark.parametrize("e", _rows(EXPANDABLE, {}))
+# expandable segments: rows whose reserved figure memcalc's 2% fraction misses by more than 1.5%
+EXPANDABLE_MISSES = {
+    23: "-4.4%: torchtune QLoRA: torchao's dequantization makes temporaries of five sizes per weight (int64 "
+        "codes, half-weight products, the stacked weight), 14 bytes per weight of the largest at once; the "
+        "expandable replay of the same allocations is within 0.4% (5.324 against 5.344 GiB)",
+    25: "-3.1%: activation offloading (reloaded blocks of every size, as row 19 on the default allocator); the "
+        "harness's offloading does not run on fake tensors, so no replay",
+    30: "+1.8%: SGD with selective recompute; the expandable replay is exact (52.504 GiB): the fraction is "
+        "high here",
+}
+
+
+@pytest.mark.parametrize("e", _rows(EXPANDABLE, EXPANDABLE_MISSES))
 def test_expandable_segments_reserved_within_1_5pct(e):
     """With expandable segments memcalc's 2% fraction (fragmentation.EXPANDABLE_SEGMENTS_FRACTION) puts the
-    reserved figure within 1.5% of `max_memory_reserved()`, FSDP2's side-stream pools included (rows 2, 14)."""
+    reserved figure within 1.5% of `max_memory_reserved()`, FSDP2's side-stream pools included (rows 2, 14); the
+    rows in EXPANDABLE_MISSES are strict xfails with their measured cause."""
     m, p = gv.measured(e), gv.predict(e["opts"], expandable=True)
     assert abs(_err(p["allocated"], m["allocated"])) <= 0.01
     assert abs(_err(p["reserved"], m["reserved"])) <= 0.015, (p["reserved"], m["reserved"])
@@ -172,7 +198,9 @@ def test_fp32_gqa_sdpa_is_the_math_path():
 
 # rows replayed on the CPU (fake tensors, one rank), single-stream layouts: the allowed gap to the H100's reserved
 REPLAY_BAR = {1: 0.0, 2: 0.0, 5: 0.0, 7: 0.0, 12: 0.0, 14: 0.0, 15: 0.0, 3: 0.011, 4: 0.011, 6: 0.011, 11: 0.011,
-              16: 0.011, 21: 0.011, 17: 0.021, 19: 0.03}
+              16: 0.011, 21: 0.011, 17: 0.021,
+              # session 32's rows: torchao's dequantization temporaries (23) to the byte, bitsandbytes' (31)
+              22: 0.002, 23: 0.0, 31: 0.002}
 REPLAY_MISSES = {
     20: "+18.7%: one 8 GiB segment more than the GPU reserved; where CUDA's softmax backward places its scratch "
         "(model._CudaSoftmax allocates it before the gradient) is not known",
@@ -189,9 +217,11 @@ def test_allocator_replay_matches_the_h100_reserved(e):
     configuration, run here on fake tensors (`--device meta --world fake`), against the H100's
     `max_memory_reserved()`, with a pool per stream: to the byte on rows 1 (7B LoRA, 14,585,692,160 B), 5, 7, 15 and
     the three FSDP2 runs 2 (ZeRO-3, 24,880,611,328 B, where memcalc's fraction is 24% low), 12 and 14 (FSDP2 allocates
-    its all-gather buffers and reduce-scatter outputs on streams of its own), within 1.1% or 2-3% on the others.
-    Where memcalc's fraction misses (rows 2, 17, 19, 21: -24%, -11%, -22%, -19%), the replay does not: the gap is
-    the allocator's policy over the allocation order, reproducible without a GPU."""
+    its all-gather buffers and reduce-scatter outputs on streams of its own) and 23 (torchao's dequantization
+    temporaries, torchtune QLoRA), within 1.1% or 2% on the others. Where memcalc's fraction misses (rows 2, 17, 21:
+    -24%, -11%, -19%; 23: -6.2%), the replay does not: the gap is the allocator's policy over the allocation order,
+    reproducible without a GPU. (Activation offloading, rows 19 and 25, does not run faithfully on fake tensors: not
+    replayed.)"""
     replayed = _meta_replay(e["id"])["reserved_peak_bytes"]
     gpu = e["report"]["cuda"]["measured_reserved_bytes"]
     bar = REPLAY_BAR.get(e["id"], 0.0)
@@ -210,7 +240,7 @@ def _meta_replay(row: int) -> dict:
 
 
 # expandable segments replayed (allocator.ExpandableAllocator) against the H100 run with expandable_segments:True
-EXPANDABLE_REPLAY_BAR = {1: 0.0, 4: 0.0, 11: 0.002, 14: 0.002, 2: 0.004, 8: 0.004}
+EXPANDABLE_REPLAY_BAR = {1: 0.0, 4: 0.0, 11: 0.002, 14: 0.002, 2: 0.004, 8: 0.004, 22: 0.003, 23: 0.004, 31: 0.002}
 
 
 @pytest.mark.parametrize("e", [pytest.param(e, id=f"row{e['id']}") for e in EXPANDABLE["results"]

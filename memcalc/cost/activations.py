@@ -672,9 +672,10 @@ def _head_moment(run: Run, logits: Num, dq_head_fwd: Num) -> Num:
     # the head's output at its (last) matmul: one chunk of a chunked loss's head, else all the logits
     out = c * (_loss_chunk_elems(run) if run.training.loss not in ("full", "fused") else _logit_elems(run))
     dq = dq_head_fwd + _dequant_cast(run, dq_head_fwd, out)
+    scratch = dequant_scratch(run, dq_head_fwd)  # before the logits exist
     if run.training.loss != "lit-gpt" or run.training.keep_logits != "fp32":
-        return logits + live + dq
-    at_matmul = c * _logit_elems(run) + live + dq
+        return imax(logits, scratch) + live + dq
+    at_matmul = imax(c * _logit_elems(run), scratch) + live + dq
     kept_input = live if _head_saves_input(run) else last_stage_terms(run)["final_norm"]
     return imax(at_matmul, logits + kept_input)
 
@@ -1243,6 +1244,23 @@ def _dequant_cast(run: Run, dq: Num, out: Num) -> Num:
     return imax(fp16 - out, 0)
 
 
+def dequant_scratch(run: Run, dq: Num) -> Num:
+    """What a dequantization holds beyond its compute-dtype output `dq` at its highest moment, before the matmul
+    that reads it. torchao's NF4 (`--quant-backend torchao`, torchtune's QLoRA) dequantizes in eager PyTorch
+    (`NF4Tensor.get_original_weight`, the same ops from torchao 0.1 to 0.18): each half of the packed bytes
+    widened to int64 (8 bytes per weight in all), looked up in the level table and scaled by the block scalers
+    repeated over the half-block (c bytes per weight each), the scalers themselves (c per 64 weights), all of them
+    locals alive while `torch.stack` interleaves the halves into the output: 8 n + 2 c n + c n / 64 for n weights
+    of c bytes. Measured by the harness op for op (memcalc/validate/quant.py) and on an H100 (docs/validation.md,
+    the torchtune QLoRA row). bitsandbytes' kernel allocates only its output: 0."""
+    t = run.training
+    if t.quant_backend != "torchao" or t.base_dtype != "nf4":
+        return 0
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
+    n = dq // c
+    return where(n % 64 == 0, 8 * n + 2 * c * n + c * (n // 64), 0)
+
+
 def _stream_unsaved(run: Run) -> Num:
     """The residual-stream tensors of a plain layer that are live at its down projection (and at the residual add
     after it) while nothing saves them: the layer's input (the caller's reference, as in lit-gpt's and HF's layer
@@ -1274,27 +1292,58 @@ def _mlp_forward_extra(run: Run) -> Num:
     return arg + rs
 
 
-def _down_matmul_extra(run: Run, mode: str, plain_layers: Num) -> Num:
-    """At the last layer's down (or proj) projection's matmul, what is live beyond the saved set: the MLP's input
-    (the norm output, an argument of the MLP's forward) and the down projection's input (an argument of its
-    forward), where nothing saves them (a frozen linear that keeps no input, `_lora_terms`); less the down
-    adapter's own terms, which its base matmul precedes. A checkpointed layer's no-grad forward saves nothing, so
-    both inputs are extra there."""
+def _down_matmul_moment(run: Run, mode: str, plain_layers: Num, down_out: Num, scratch: Num) -> Num:
+    """At the last layer's down (or proj) projection's matmul, what is live beyond the saved set and its dequantized
+    weight: the projection's output `down_out`, or just before it the dequantization's own `scratch`
+    (`dequant_scratch`); the MLP's input (the norm output, an argument of the MLP's forward) and the down
+    projection's input (an argument of its forward), where nothing saves them (a frozen linear that keeps no input,
+    `_lora_terms`); less the down adapter's own terms, which its base matmul precedes. A checkpointed layer's
+    no-grad forward saves nothing, so both inputs are extra there."""
     m = run.model
     c, tok, _, tok_in = _shape(run)
     f_t = cdiv(mlp_width(m), run.tp)
     mlp_input = c * tok_in * m.hidden if _mlp_input_unsaved(run) else 0
     down_input = c * tok * f_t if _down_input_unsaved(run) else 0
-    plain = mlp_input + down_input - _down_adapter_saved(run, tok, f_t)
+    plain = imax(down_out, scratch) + mlp_input + down_input - _down_adapter_saved(run, tok, f_t)
     if mode in ("full", "op"):
-        # no-grad: the attention half's residual sum (the MLP's residual operand) is live too, and with SwiGLU
-        # the up projection's matmul (silu(gate) and the up output beside its dequantized weight) can exceed
-        # the down projection's (its product and the h-wide output)
+        # no-grad: the attention half's residual sum (the MLP's residual operand) and the MLP's input are live, and
+        # one f/t-wide activation: the down projection's input, or silu(gate) at the up projection's matmul (the
+        # same moment for a dequantization's scratch, before either output). With SwiGLU the up projection's
+        # output (f/t wide) can exceed the down projection's (h wide)
         resid = _stream_bytes(run, c) * _shape(run)[2] * m.hidden
-        act = c * tok * (f_t + (imax(f_t, m.hidden) if m.mlp == "swiglu" else m.hidden))
-        ck = resid + c * tok_in * m.hidden + act - c * tok * m.hidden
+        ck = resid + c * tok_in * m.hidden + c * tok * f_t
+        out = c * tok * (imax(f_t, m.hidden) if m.mlp == "swiglu" else m.hidden)
+        ck = ck + imax(out - c * tok * m.hidden + down_out, scratch)
         return where(plain_layers == 0, ck, plain)
     return plain + 0 * plain_layers
+
+
+def _recomputed_down_matmul(run: Run) -> Num:
+    """A checkpointed QLoRA layer's re-run forward (grad enabled, non-reentrant `torch.utils.checkpoint`) at its
+    last dequantization, beyond the recomputed saved set: the re-run starts at the first backward node that
+    unpacks a saved tensor and stops once the last one is remade.
+    - The down (or proj) projection's backward unpacks one (an adapter's terms, or the input bitsandbytes keeps):
+      the re-run passes the down projection before any backward, with the incoming gradient of the residual
+      stream, the dequantized weight and its output or, just before it, the dequantization's scratch
+      (`dequant_scratch`), the inputs nothing saves (`_down_matmul_moment`), and, where an fp32 norm saves a copy
+      instead, the attention half's residual sum (the layer's input is the checkpoint's, held); less the down
+      adapter's terms, not made yet.
+    - Otherwise (torchao's base keeps nothing, no down adapter) the down projection's backward runs first and the
+      activation's backward triggers the re-run, which ends at the product's factors: its last dequantization is
+      the up (or fc) projection's, beside the product's gradient (c tok f/t, in place of the up output, not made
+      yet) and the same stream gradient, unsaved MLP input and residual sum.
+    Measured by the harness op for op (torchao's dequantization inside the re-run)."""
+    m, t = run.model, run.training
+    c, tok, _, tok_in = _shape(run)
+    dq = dequant_bytes(run)[0]
+    scratch = dequant_scratch(run, dq)
+    half_sum = _stream_unsaved(run) // 2 if m.block == "sequential" else 0
+    common = _residual_grad_bytes(run) + dq + _dequant_cast(run, dq, c * tok * m.hidden) + half_sum
+    if _down_adapted(run) or _keeps_inputs(t):
+        return common + _down_matmul_moment(run, "none", 1, c * tok * m.hidden, scratch)
+    f_t = cdiv(mlp_width(m), run.tp)
+    mlp_input = c * tok_in * m.hidden if _mlp_input_unsaved(run) else 0
+    return common + imax(scratch, c * tok * f_t) + mlp_input
 
 
 def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stream_in_buffer: Num = 0) -> Num:
@@ -1331,7 +1380,12 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
     adapter = 0
     if _dequantizes(run.training) and _down_adapted(run):
         adapter = c * tokens * f_t - _down_adapter_saved(run, tokens, f_t)
-    mlp = imax(factors * c * tokens * f_t, c * tokens * f_t + dq + adapter + _sp_gathered_grad(run))
+        if not _keeps_inputs(run.training) and run.training.lora_dropout == 0:
+            # the undropped input is saved by the adapter alone (torchao's base keeps none): freed with it
+            adapter = adapter - c * tokens * f_t
+    # the input gradient is the matmul's output: a dequantization's own scratch comes before it
+    grad_in = imax(c * tokens * f_t, dequant_scratch(run, dequant_bytes(run)[1]))
+    mlp = imax(factors * c * tokens * f_t, grad_in + dq + adapter + _sp_gathered_grad(run))
     if run.profile == "megatron":
         return stream + mlp
     return stream + imax(mlp - stream_in_buffer, attention_backward(run, terms))
@@ -1945,7 +1999,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     if _dequantizes(tr) and tr.quantize_head:
         loss_saved = _loss_freed(run)
         head_dq = dq_head_bwd + _dequant_cast(run, dq_head_bwd, c * tok_in * m.hidden)
-        head_bwd_tr = where(last, c * _logit_elems(run) + c * tok_in * m.hidden + head_dq - loss_saved, 0)
+        head_grad_in = imax(c * tok_in * m.hidden, dequant_scratch(run, dq_head_bwd))  # (its matmul's output)
+        head_bwd_tr = where(last, c * _logit_elems(run) + head_grad_in + head_dq - loss_saved, 0)
     # a recompute or CP ring runs inside the first layer's backward: the loss and LM-head terms are freed by then,
     # and with offloading the previous layer is being reloaded
     core_tr = remat + ring_bwd
@@ -1965,11 +2020,16 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         head_bwd_tr = imax(head_bwd_tr, where(last, _megatron_head_backward(run), 0))
     bwd_tr = imax(imax(loss_bwd, core_tr), head_bwd_tr)
     layer_tr = layer_backward_transient(run, plain)
-    at_layer = imax(_layer_moment(mode, layer_tr, remat), dense_at)
+    # a checkpointed QLoRA layer's re-run forward, at its last dequantization
+    re_run = 0
+    if mode in ("full", "op") and _dequantizes(tr) and tr.base_dtype == "nf4":
+        re_run = where(ck > 0, remat + _recomputed_down_matmul(run), 0)
+    at_layer = imax(imax(_layer_moment(mode, layer_tr, remat), dense_at), re_run)
     # torch pipelining, every stage but the last: the stage's last layer (the first in backward) gets its output's
     # gradient in the receive buffer (`pipeline_recv_buffers`), not in a new tensor; the later layers' is new
     recv_stream = where(last, 0, _residual_grad_bytes(run)) if run.profile == "torch" and not off else 0
-    at_first_layer = imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream), remat), dense_at)
+    at_first_layer = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream), remat),
+                               dense_at), re_run)
     layer_k_extra = at_layer - at_first_layer  # added back for the stage's later layers (timeline `acts_at`)
     # the logits at the LM head's matmul; a model that returns them upcast (`--keep-logits fp32`) makes the fp32
     # copy right there, while the loop still holds the previous micro-batch's (in `base`)
@@ -1984,7 +2044,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     layer_out = imax(down_out, megatron_moe_forward_transient(run)) + where(last, s_h, 0) + unsaved
     if _dequantizes(tr) and tr.base_dtype == "nf4":
         dq_down = dq_fwd + _dequant_cast(run, dq_fwd, down_out)
-        layer_out = imax(layer_out, down_out + dq_down + _down_matmul_extra(run, mode, plain_layers) + unsaved)
+        at_matmul = _down_matmul_moment(run, mode, plain_layers, down_out, dequant_scratch(run, dq_fwd))
+        layer_out = imax(layer_out, dq_down + at_matmul + unsaved)
     if off:
         detail["layers_offloaded_to_host"] = -host
         detail["offload_resident_layers"] = w_last + w_prev
@@ -1993,7 +2054,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     detail["recompute_transient"] = imax(remat, 0)
     if _dequantizes(tr):
         biggest = imax(imax(dq_fwd, dq_bwd), where(last, imax(dq_head_fwd, dq_head_bwd), 0))
-        detail["dequantized_weight_transient"] = biggest + _dequant_cast(run, biggest, 0)
+        detail["dequantized_weight_transient"] = biggest + _dequant_cast(run, biggest, 0) + dequant_scratch(run,
+                                                                                                         biggest)
     detail["cp_ring_kv_transient"] = ring_bwd
     detail["pipeline_sent_transient"] = sent
     detail["later_backward_end_grads_transient"] = where(total_units > 1, cast_grads, 0)

@@ -467,7 +467,9 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         moment(where(later, where(piped, acc, grads), grads - root_shard), act.loss_kept_bytes
                + act.graph_held_bytes + act.backward_root_bytes, buf("backward_root")),
     ]
-    return fwd, bwd, moment(grads, act.loss_kept_bytes + prev, buf("optimizer"), opt), (first_loss, later_loss)
+    # the optimizer step follows this micro-batch's backward, whose graph the loop still holds (the first step's too)
+    held = act.graph_held_bytes if loop_holds_graph(run) else 0
+    return fwd, bwd, moment(grads, act.loss_kept_bytes + held, buf("optimizer"), opt), (first_loss, later_loss)
 
 
 def _switch_layers(act: Any) -> tuple[Num, ...]:

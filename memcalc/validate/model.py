@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memcalc.cost.activations import SOFTMAX_PERSISTENT_MAX
 from memcalc.specs import ModelSpec, lora_projections
+from memcalc.validate.quant import piece_size
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -639,7 +640,15 @@ class CompiledChunkCE(torch.autograd.Function):
     its generated forward and backward read (TORCH_LOGS=output_code; test_compiled_chunked_ce_saves_compute_dtype_
     logits checks the saved set): forward keeps the compute-dtype input, the row max and the log-sum-exp (one fp32
     each per row) and returns the loss; backward writes the compute-dtype gradient in one fused kernel. The fp32
-    intermediates never exist in memory there; here they are computed with the tracker paused (`untracked`)."""
+    intermediates never exist in memory there; here they are computed with the tracker paused (`untracked`), a
+    few rows at a time (`ROWS_ELEMS` logits per piece), so that a GPU run sees no more scratch than the kernels'."""
+
+    ROWS_ELEMS = 1 << 18  # logits per untracked piece: 1 MiB of each fp32 intermediate
+
+    @staticmethod
+    def _pieces(x: torch.Tensor) -> range:
+        rows = max(1, CompiledChunkCE.ROWS_ELEMS // max(1, x.shape[1]))
+        return range(0, x.shape[0], max(1, piece_size(x, rows, x.shape[0])))
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, y: torch.Tensor, untracked: Any) -> torch.Tensor:
@@ -647,10 +656,15 @@ class CompiledChunkCE(torch.autograd.Function):
         lse = torch.empty_like(row_max)
         loss = torch.empty((), dtype=torch.float32, device=x.device)
         with untracked():
-            xf = x.float()
-            row_max.copy_(xf.amax(-1, keepdim=True))
-            lse.copy_((xf - row_max).exp().sum(-1, keepdim=True).log())
-            loss.copy_((row_max + lse).sum() - xf.gather(1, y[:, None]).sum())
+            total = torch.zeros((), dtype=torch.float32, device=x.device)
+            pieces = CompiledChunkCE._pieces(x)
+            for lo in pieces:
+                hi = lo + pieces.step
+                xf = x[lo:hi].float()
+                row_max[lo:hi] = xf.amax(-1, keepdim=True)
+                lse[lo:hi] = (xf - row_max[lo:hi]).exp().sum(-1, keepdim=True).log()
+                total += (row_max[lo:hi] + lse[lo:hi]).sum() - xf.gather(1, y[lo:hi, None]).sum()
+            loss.copy_(total)
         ctx.save_for_backward(x, y, row_max, lse)
         ctx.untracked = untracked
         return loss
@@ -660,9 +674,12 @@ class CompiledChunkCE(torch.autograd.Function):
         x, y, row_max, lse = ctx.saved_tensors
         grad = torch.empty_like(x)
         with ctx.untracked():
-            p = (x.float() - row_max - lse).exp()
-            p.scatter_add_(1, y[:, None], -torch.ones_like(p[:, :1]))
-            grad.copy_(p * grad_loss)
+            pieces = CompiledChunkCE._pieces(x)
+            for lo in pieces:
+                hi = lo + pieces.step
+                p = (x[lo:hi].float() - row_max[lo:hi] - lse[lo:hi]).exp()
+                p.scatter_add_(1, y[lo:hi, None], -torch.ones_like(p[:, :1]))
+                grad[lo:hi] = p * grad_loss
         return grad, None, None
 
 

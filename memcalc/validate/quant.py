@@ -12,10 +12,12 @@
   instead, which the checkpoint drops: that is reentrant checkpointing's outcome (its forward runs under no_grad,
   so MatMul4Bit keeps nothing), the form transformers and PEFT use with bitsandbytes.
 
-The dequantization itself runs with the tracker paused and writes into the one tracked output: a fused kernel
-allocates nothing else that a GPU run would see of this size (bitsandbytes' double-quant path allocates an fp32
-absmax of n/64 elements first, which is not modelled). The codes round to the NF4 levels of the QLoRA paper's
-appendix; the values matter only so that training runs sensibly.
+bitsandbytes dequantizes in one fused CUDA kernel that allocates nothing but its output (its double-quant path
+allocates an fp32 absmax of n/64 elements first, which is not modelled). Here that runs with the tracker paused,
+writing into the one tracked output, on a GPU in pieces of `PIECE` weights, so that the GPU sees no more scratch
+than the kernel would (about 6 MiB). torchao's `NF4Tensor.get_original_weight` (torchtune's QLoRA; the same ops from torchao 0.1 to 0.18)
+is eager PyTorch, and its temporaries are real: it runs here op for op, tracked (`_torchao_dequantize`). The codes
+round to the NF4 levels of the QLoRA paper's appendix; the values matter only so that training runs sensibly.
 """
 
 from __future__ import annotations
@@ -29,12 +31,19 @@ from torch import nn
 
 BLOCK = 64  # weights per absmax
 BLOCK2 = 256  # absmax blocks per second-level fp32 scale (double quantization)
+PIECE = 1 << 18  # weights dequantized per untracked piece (a multiple of 2 x BLOCK): 1 MiB of fp32 scratch
 
 # the 16 NF4 levels (QLoRA appendix E), normalized to [-1, 1]
 NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
               -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
               0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
               0.7229568362236023, 1.0)
+
+
+def piece_size(t: torch.Tensor, budget: int, whole: int) -> int:
+    """How much of an untracked computation to do at once: `budget` elements on a GPU, whose allocator would
+    count the scratch; the `whole` elsewhere (only the tracked tensors are measured there)."""
+    return budget if t.is_cuda else whole
 
 
 class QuantLinear(nn.Module):
@@ -86,13 +95,43 @@ class QuantLinear(nn.Module):
         return self._dequantize(self.compute_dtype)
 
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.backend == "torchao" and self.n % BLOCK == 0:
+            return self._torchao_dequantize(dtype)
         out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.packed.device)
+        flat = out.view(-1)
         with self.untracked():
-            hi, lo = self.packed >> 4, self.packed & 15
-            codes = torch.stack((hi, lo), dim=1).view(-1)[: self.n].long()
             levels = torch.tensor(NF4_LEVELS, device=self.packed.device)
-            scale = self._absmax().repeat_interleave(BLOCK)[: self.n]
-            out.view(-1).copy_(levels[codes] * scale)
+            absmax = self._absmax()
+            piece = piece_size(out, PIECE, self.n + self.n % 2)
+            for lo in range(0, self.n, piece):  # PIECE is even and a multiple of BLOCK: pieces align
+                hi = min(lo + piece, self.n)
+                packed = self.packed[lo // 2: (hi + 1) // 2]
+                codes = torch.stack((packed >> 4, packed & 15), dim=1).view(-1)[: hi - lo].long()
+                scale = absmax[lo // BLOCK: -(-hi // BLOCK)].repeat_interleave(BLOCK)[: hi - lo]
+                flat[lo:hi].copy_(levels[codes] * scale)
+        return out
+
+    def _torchao_dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """torchao's `NF4Tensor.get_original_weight` op for op (tracked): each half of the packed bytes widened to
+        int64, looked up in the level table (in the weight's dtype), scaled by the per-block scalers repeated over
+        the half-block, and the halves interleaved by `stack`; its locals live until it returns, so at the stack
+        8 n + 3 c n + c n / 64 bytes are live for n weights of c bytes (memcalc/cost/activations.py
+        `dequant_peak_bytes`)."""
+        dev = self.packed.device
+        first = (self.packed >> 4).to(torch.long)
+        second = (self.packed & 0b1111).to(torch.long)
+        levels = torch.tensor(NF4_LEVELS, device=dev, dtype=dtype)
+        dq_first = levels[first]
+        dq_second = levels[second]
+        # the double-quantized scalers, one per block in the weight's dtype (`dequantize_scalers`)
+        scalers = torch.empty(self.n // BLOCK, dtype=dtype, device=dev)
+        with self.untracked():
+            scalers.copy_(self._absmax())
+        repeated = scalers.unsqueeze(-1).expand(scalers.size(0), BLOCK // 2)
+        scaled_first = (dq_first * repeated.flatten()).unsqueeze(-1).transpose(0, 1)
+        scaled_second = (dq_second * repeated.flatten()).unsqueeze(-1).transpose(0, 1)
+        out = torch.stack([scaled_first, scaled_second], dim=-1).reshape(self.out_features, self.in_features)
+        del first, second, dq_first, dq_second, scalers, repeated, scaled_first, scaled_second
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
