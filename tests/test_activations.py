@@ -1101,3 +1101,19 @@ def test_pipeline_x_tp_terms_measured_op_by_op():
     assert a_amp.forward_layer_end_bytes - a_amp.held_bytes == 2 * 64 * 64 + 4 * 64 * 64 + 2 * 96 * 64 == 36_864
     gp = run_of(**base, precision="bf16", schedule="gpipe")
     assert stage_activations(gp, 0).detail["pipeline_sent_transient"] == 4 * 64 * 64
+
+
+def test_rotary_cos_sin_is_per_sequence_not_per_sample():
+    """cos and sin are made once per forward from positions (1, s): HF's default position ids
+    (`cache_position.unsqueeze(0)`), torchtitan's freqs_cis, Megatron's rotary_pos_emb, the harness's
+    `rotary_cos_sin(seq, d)`. Llama-2-7B (d = 128), bf16, seq 4096: 2 x 2 x 4096 x 128 = 2,097,152 B per
+    micro-batch whatever its size; CP 2 halves the sequence. (memcalc counted it per sample until 2026-11-27: the
+    torchtune layer's QLoRA toy rows were ~8 KB over at micro-batch 2, docs/validation.md rows 185-187.)"""
+    from memcalc.cost.activations import every_stage_terms
+    from tests.conftest import run_of
+
+    for mb in (1, 2, 8):
+        run = run_of(model="llama-2-7b", seq=4096, micro_batch=mb, precision="bf16")
+        assert every_stage_terms(run, 0)["rotary_cos_sin"] == 2 * 2 * 4096 * 128 == 2_097_152
+    run = run_of(model="llama-2-7b", seq=4096, micro_batch=2, precision="bf16", gpus=2, cp=2)
+    assert every_stage_terms(run, 0)["rotary_cos_sin"] == 2 * 2 * 2048 * 128

@@ -883,11 +883,12 @@ def every_stage_terms(run: Run, stage: Num) -> dict[str, Num]:
     c, tok, tok_sp, _ = _shape(run)
     out: dict[str, Num] = {}
     if m.positions == "rotary":
-        # cos and sin, (b, s/cp, d) in the compute dtype, saved by the rotary multiplications of every layer
-        # (HF LlamaRotaryEmbedding computes them once per forward and passes them to all layers); MLA rotates
-        # only the qk_rope_dim part of each head
+        # cos and sin, (s/cp, d) in the compute dtype, saved by the rotary multiplications of every layer: made
+        # once per forward and shared by the layers and by the micro-batch's sequences (HF LlamaRotaryEmbedding
+        # from position_ids of shape (1, s) unless the caller passes its own; torchtitan's freqs_cis; Megatron's
+        # (s, 1, 1, d) rotary_pos_emb); MLA rotates only the qk_rope_dim part of each head
         width = m.mla.qk_rope_dim if m.mla is not None else m.head_dim
-        out["rotary_cos_sin"] = 2 * c * tok * width
+        out["rotary_cos_sin"] = 2 * c * (run.seq // run.cp) * width
     if run.profile != "megatron":
         # torch.distributed.pipelining (`fwd_cache`) and DeepSpeed's PipelineEngine keep each stage's output until
         # its backward; Megatron frees its data once sent (`deallocate_pipeline_outputs=True`, Korthikanti
