@@ -140,16 +140,17 @@ def fs_run(impl="foreach", allocator="default", peak_step="steady", profile="tor
 def test_first_step_foreach_temporaries_stay_reserved():
     """336,611,328 parameters (4 x (4 x 2048^2 + 3 x 2048 x 5632) + 2 x 32000 x 2048), bf16: params and grads
     673,222,656 B each, AdamW's two moments 1,346,445,312 B, the sqrt(v) list 673,222,656 B. The compute stream's
-    highest forward/backward moment is the loss gradient, 2,924,089,344 B with the states plus the stranded bf16
-    logits' block (2048 x 32,000 x 2 = 131,072,000 B): 3,055,161,344 B. The first step had no states, so it
-    reserved (3,055,161,344 - 1,346,445,312) / 0.97 = 1,761,562,920 B. Its optimizer step needs 3,433,222,144 B
-    (params + grads + moments + list): 1,671,659,224 B more than reserved, so the whole list (the smaller) is in
-    new segments. Measured by the replay in tests/test_validate_seqlen.py (foreach minus fused AdamW)."""
+    highest forward/backward moment is the loss gradient, 2,924,105,728 B with the states plus the stranded bf16
+    logits' block (2048 x 32,000 x 2 = 131,072,000 B): 3,055,177,728 B. The first step had no states, so it
+    reserved (3,055,177,728 - 1,346,445,312) / 0.97 = 1,761,579,810 B. Its optimizer step needs 3,433,254,912 B
+    (params + grads + moments + list + the loop's 2,048 token ids and labels, 32,768 B): 1,671,675,102 B more than
+    reserved, so the whole list (the smaller) is in new segments. Measured by the replay in
+    tests/test_validate_seqlen.py (foreach minus fused AdamW)."""
     r = fs_run()
     sm = stage_memory(r)
     assert sm.states.optimizer == 1_346_445_312 and sm.buffers_detail["foreach_adam_temporaries"] == 673_222_656
-    assert (sm.compute_stream_fb_peak, sm.compute_stream_opt_peak) == (2_924_089_344 + 131_072_000, 3_433_222_144)
-    assert F.first_step_stranded_bytes(r, sm) == min(673_222_656, 3_433_222_144 - 1_761_562_920) == 673_222_656
+    assert (sm.compute_stream_fb_peak, sm.compute_stream_opt_peak) == (2_924_105_728 + 131_072_000, 3_433_254_912)
+    assert F.first_step_stranded_bytes(r, sm) == min(673_222_656, 3_433_254_912 - 1_761_579_810) == 673_222_656
     mem = estimate(r, advice=False).memory
     assert mem.reserved_detail["first_step_optimizer_temporaries"] == 673_222_656
     assert mem.reserved_peak_bytes == sum(mem.reserved_detail.values())

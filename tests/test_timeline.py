@@ -239,6 +239,7 @@ def test_tp_replicated_embedding_gradient_through_the_step():
     shape = dict(layers=2, hidden=64, heads=4, ffn=176, vocab=8192, seq=8, gpus=2, tp=2, precision="fp32")
     params, extra, shard = 574_784 * 4, (8192 - 4096) * 64 * 4, 4096 * 64 * 4
     assert (params, extra, shard) == (2_299_136, 1_048_576, 1_048_576)
+    batch = 2 * 8 * 8  # the loop's token ids and labels (int64, 8 tokens), live through the optimizer step
 
     def at(run, phase):
         sm = stage_memory(run, 0)
@@ -249,15 +250,15 @@ def test_tp_replicated_embedding_gradient_through_the_step():
     assert model_states(run, 0).grads == params + extra == 3_347_712
     total, sm = at(run, "optimizer")
     assert sm.buffers_detail["tp_embedding_grad_shard_copy"] == shard
-    assert total == params + (params + extra) + shard == 6_695_424
+    assert total == params + (params + extra) + shard + batch == 6_695_552
     # SGD momentum: the buffer is a clone of the replicated gradient, and the step redistributes it (row 147,
     # measured 10,043,272)
     run = run_of(**shape, optimizer="sgd-momentum")
     assert model_states(run, 0).optimizer == params + extra
-    assert at(run, "optimizer")[0] == params + 2 * (params + extra) + shard == 10_043_136
+    assert at(run, "optimizer")[0] == params + 2 * (params + extra) + shard + batch == 10_043_264
     # fused AdamW: two fp32 moments at the shard, and one copy (row 146, measured 11,293,916)
     run = run_of(**shape, optimizer="adamw", optimizer_impl="fused")
-    assert at(run, "optimizer")[0] == params + (params + extra) + 2 * params + shard == 11_293_696
+    assert at(run, "optimizer")[0] == params + (params + extra) + 2 * params + shard + batch == 11_293_824
     # foreach AdamW: the two copies at `_foreach_addcmul_` (2,097,152 B) stay below the sqrt(v) list (2,299,136 B)
     run = run_of(**shape, optimizer="adamw")
     assert at(run, "optimizer")[1].buffers_detail["foreach_adam_temporaries"] == params > 2 * shard
@@ -265,7 +266,8 @@ def test_tp_replicated_embedding_gradient_through_the_step():
     run = run_of(**{**shape, "precision": "bf16"}, optimizer="sgd", grad_dtype="bf16")
     upcast = 4 * (574_784 + 4096 * 64)
     assert at(run, "optimizer")[1].buffers_detail["master_grad_upcast"] == upcast == 3_347_712
-    assert at(run, "optimizer")[0] == params // 2 + params + (params + extra) // 2 + upcast + shard == 9_518_848
+    assert at(run, "optimizer")[0] == params // 2 + params + (params + extra) // 2 + upcast + shard + batch == (
+        9_518_976)
     # a later micro-batch: the new dense gradient is whole beside .grad and the residual stream's gradient
     # (8 x 64 x 4 = 2,048 B; fp32 form of row 148, measured 7,746,320)
     run = run_of(**shape, optimizer="sgd", grad_accum=2)

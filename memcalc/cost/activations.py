@@ -606,6 +606,16 @@ def last_stage_terms(run: Run) -> dict[str, Num]:
         "output_layer_input": c * tok_in * h if _head_saves_input(run) else 0,
         **_loss_saved(run),
     }
+    if run.profile != "megatron":
+        # the labels (int64), kept by the cross-entropy for its backward (nll_loss saves its target); under torch
+        # pipelining a view of the step's batch (buffers.py `pipeline_batch_tokens`). A chunked loss on a
+        # micro-batch of several sequences reshapes each sequence chunk of them, a copy (torchtune's
+        # CEWithChunkedOutputLoss `target_chunk.reshape(-1)`, lit-gpt's `chunked_cross_entropy`). Measured by the
+        # harness (each was 8 bytes per token under; docs/validation.md). Megatron's batch is its own accounting.
+        r = _gathered_replicas(run)
+        out["loss_labels"] = (where(run.pp > 1, 0, 8 * tok) if run.profile == "torch" else 8 * tok) * r
+        if run.training.loss in ("chunked", "chunked-eager", "lit-gpt"):
+            out["loss_label_chunks"] = where(run.micro_batch > 1, 8 * tok, 0) * r
     if run.dp_mode == "dataparallel":
         # torch.nn.DataParallel (torch/nn/parallel/data_parallel.py): every replica's output is gathered onto
         # GPU 0 (`gather(outputs, output_device)`) and the loss runs there over the whole batch: GPU 0 holds the

@@ -511,6 +511,10 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     batch = 2 * 8 * run.grad_accum * run.micro_batch * (run.seq // run.cp)
     out["pipeline_batch_tokens"] = Buffer(where(run.pp > 1, batch, 0), ALL_PHASES,
                                           "torch pipelining: the step's token ids and labels (int64)")
+    # without pipelining the last micro-batch's ids and labels (activations until its backward, as the embedding
+    # and the loss keep them) are still the loop's batch during the optimizer step; measured by the harness
+    out["loop_batch_tokens"] = Buffer(where(run.pp > 1, 0, 2 * 8 * run.micro_batch * (run.seq // run.cp)),
+                                      OPTIMIZER, "the loop's last micro-batch of token ids and labels (int64)")
     if run.zero <= 1:
         # DDP (ZeRO-1 = ZeroRedundancyOptimizer over DDP). reducer.cpp initialize_buckets: every bucket gets
         # `bucket.gradients = at::empty({numel of its params}, param options)`; the buckets cover every parameter
