@@ -98,7 +98,19 @@ STACKED = [
     ("--model", "mixtral-8x7b", "--gpus", "16", "--ep", "8", "--tp", "2", "--zero", "1"),
     # 70B on one node: nothing fits alone; the cheapest changes in the advice's order, stacked, do
     ("--model", "llama-3.1-70b", "--gpus", "8", "--zero", "3"),
+    # a 1B full fine-tune on a 24 GB card at 4 x 2048 tokens: the micro-batch halved twice, then more
+    ("--model", "llama-3.2-1b", "--gpu", "rtx-4090", "--micro-batch", "4", "--seq", "2048"),
 ]
+
+
+def test_stacked_micro_batch_halvings_read_against_the_run():
+    """Two halvings (4 -> 2 -> 1) keep the last, described against the run's own micro-batch: x4 accumulation
+    (it read "x2", the last halving's factor, while its flags said --grad-accum 4)."""
+    c = cli_json("estimate", *STACKED[2])["memory"]["advice_combined"]
+    assert c["change"].startswith("micro-batch 1 (x4 accumulation, same global batch) + ")
+    assert c["flags"].startswith("--micro-batch 1 --grad-accum 4 ")
+    code, out, _ = cli("estimate", *STACKED[2])
+    assert code == 0 and "Or, stacked, on the same GPU: --micro-batch 1 --grad-accum 4" in " ".join(out.split())
 
 
 @pytest.mark.parametrize("args", STACKED, ids=lambda a: " ".join(a[:2]))

@@ -24,6 +24,12 @@ def _accum(run: Run, factor: int) -> str:
     return "" if run.training.global_batch is not None else f" --grad-accum {run.grad_accum * factor}"
 
 
+def _micro_batch_change(before: int, after: int) -> str:
+    """How a smaller micro-batch reads, relative to `before` sequences per micro-batch."""
+    return (f"micro-batch {after} (x{before // after} accumulation"
+            + (", same global batch)" if before % after == 0 else ")"))
+
+
 def _candidates(run: Run) -> Iterator[Change]:
     t = run.training
     if run.zero < 3 and run.offload == "none":
@@ -32,8 +38,7 @@ def _candidates(run: Run) -> Iterator[Change]:
     if run.micro_batch > 1:
         mb = run.micro_batch // 2
         yield (
-            f"micro-batch {mb} (x{run.micro_batch // mb} accumulation"
-            + (", same global batch)" if run.micro_batch % mb == 0 else ")"),
+            _micro_batch_change(run.micro_batch, mb),
             f"--micro-batch {mb}" + _accum(run, run.micro_batch // mb),
             lambda r: r.replace(micro_batch=mb, grad_accum=r.grad_accum * (r.micro_batch // mb)),
         )
@@ -145,6 +150,8 @@ def combine(run: Run, peak: int, max_changes: int = 6) -> tuple[str, str, Run, i
                 cur, cur_peak, flags = changed, after, _merge_flags(flags, f)
                 # a later change that sets every flag of an earlier one supersedes it (ZeRO 2, then 3)
                 mine = {tok for tok in f.split() if tok.startswith("--")} - {"--grad-accum"}
+                if "--micro-batch" in mine:  # relative to the run's own micro-batch, not the last halving's
+                    desc = _micro_batch_change(run.micro_batch, int(cur.micro_batch))
                 names = [(d, fl) for d, fl in names if not fl <= mine] + [(desc, mine)]
                 break
         else:

@@ -273,7 +273,9 @@ def _render_verdict(est: Estimate, con: Console, units: str) -> None:
     c = mem.advice_combined
     if c is not None:
         how = "stacked, on the same" if " + " in c.change else "on the same"
-        con.print(f"Or, {how} {est.inputs['parallel']['gpus']} GPUs: {c.flags}  ({c.change}): "
+        n = est.inputs['parallel']['gpus']
+        where_ = f"{n} GPUs" if n != 1 else "GPU"
+        con.print(f"Or, {how} {where_}: {c.flags}  ({c.change}): "
                   f"saves {format_bytes(c.saves_bytes, units)} → {format_bytes(c.peak_bytes_after, units)} "
                   f"(fits){cost(c)}", markup=False)
     elif not mem.fits and not any(a.fits_after for a in mem.advice):
