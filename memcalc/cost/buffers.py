@@ -508,13 +508,13 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
                                           "torch pipelining: a receive buffer per micro-batch, each way")
     # `schedule.step(inputs, target=labels)` splits the step's whole batch into micro-batch views, and the loop
     # moves it to every rank (torchtitan's train step): its int64 token ids and labels, s/cp tokens per sequence
-    batch = 2 * 8 * run.grad_accum * run.micro_batch * (run.seq // run.cp)
-    out["pipeline_batch_tokens"] = Buffer(where(run.pp > 1, batch, 0), ALL_PHASES,
+    micro = 2 * 8 * run.micro_batch * (run.seq // run.cp)
+    out["pipeline_batch_tokens"] = Buffer(where(run.pp > 1, run.grad_accum * micro, 0), ALL_PHASES,
                                           "torch pipelining: the step's token ids and labels (int64)")
     # without pipelining the last micro-batch's ids and labels (activations until its backward, as the embedding
     # and the loss keep them) are still the loop's batch during the optimizer step; measured by the harness
-    out["loop_batch_tokens"] = Buffer(where(run.pp > 1, 0, 2 * 8 * run.micro_batch * (run.seq // run.cp)),
-                                      OPTIMIZER, "the loop's last micro-batch of token ids and labels (int64)")
+    out["loop_batch_tokens"] = Buffer(where(run.pp > 1, 0, micro), OPTIMIZER,
+                                      "the loop's last micro-batch of token ids and labels (int64)")
     if run.zero <= 1:
         # DDP (ZeRO-1 = ZeroRedundancyOptimizer over DDP). reducer.cpp initialize_buckets: every bucket gets
         # `bucket.gradients = at::empty({numel of its params}, param options)`; the buckets cover every parameter
