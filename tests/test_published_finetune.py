@@ -258,7 +258,7 @@ TORCHTUNE_README = [
               optimizer_impl="fused", **TT3_AC),
          xfail="+4.8% (+19.5% before the compiled chunked loss, +5.3% with k adapted too): 0.41 GiB above; the "
                "adapters' AdamW moments are 0.335 GiB of it, and without them (a first step: AdamW creates them "
-               "in its first step()) memcalc gives 8.58 GiB (docs/published-finetune.md G)"),
+               "in its first step()) memcalc gives 8.57 GiB (docs/published-finetune.md G)"),
     Case("torchtune-llama3.2-3b-qlora-r64", 4.6, "GiB", "allocated",
          dict(lora_rank=64, lora_targets="q_proj,v_proj,output_proj,mlp", base_dtype="nf4", quant_backend="torchao",
               offload_activations=True, optimizer_impl="fused", **TT3_AC),
