@@ -95,7 +95,7 @@ def configurations() -> list[tuple[str, dict[str, Any], str, str | None]]:
               micro_batch=4, seq=4096, gpu="h100-sxm"), "real", None),
         ("4-layer h2048 GQA, single GPU, fp32, full recompute", dict(MID, precision="fp32", recompute="full"),
          "real", None),
-        # rows 22-30: what the first GPU session did not run. GPT-2's attention dropout inside SDPA: CUDA's fused
+        # rows 22-31: what the first GPU session did not run. GPT-2's attention dropout inside SDPA: CUDA's fused
         # kernels keep their RNG state, nothing s x s (the assumption the CPU harness mirrors)
         ("GPT-2 124M, bf16 AMP, flash attention + dropout 0.1, mb 8 x seq 1024",
          dict(model="gpt2", precision="bf16", micro_batch=8, seq=1024, gpu="h100-sxm"), "real", None),
@@ -394,9 +394,9 @@ def cuda_section(data: dict[str, Any], expandable: dict[str, Any] | None = None)
            "streams); in the expandable-segments table, the same log replayed under that policy "
            "(allocator.ExpandableAllocator). Tensor parallelism over the fake process group (rows 8, 13, 29) is not "
            "replayed exactly by the default policy. n/a: DDP and ZeroRedundancyOptimizer do not run on fake tensors, "
-           "nor the MoE block's data-dependent shapes, nor the harness's context parallelism, nor activation offloading "
-           "(rows 19, 25), which does not run faithfully on fake tensors (its tracked peak there is 4-7% above the "
-           "exact one on the CPU).", ""]
+           "nor the MoE block's data-dependent shapes, nor the harness's context parallelism, nor activation "
+           "offloading (rows 19, 25), which does not run faithfully on fake tensors (its tracked peak there is 4-7% "
+           "above the exact one on the CPU).", ""]
     out += _table(data, False)
     if expandable:
         out += ["", "With `expandable_segments:True` (memcalc `--allocator expandable`: its 2% fraction, no "

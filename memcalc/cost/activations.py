@@ -1384,8 +1384,8 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
     factors = 2 if m.mlp == "swiglu" else 1
     # a quantized down projection: its input gradient is computed while its dequantized weight is live
     # (`dequant_bytes`), before the product's backward allocates the factors' gradients
-    dq = dequant_bytes(run)[1]
-    dq = dq + _dequant_cast(run, dq, c * tokens * f_t)
+    weight = dequant_bytes(run)[1]
+    dq = weight + _dequant_cast(run, weight, c * tokens * f_t)
     # an adapted down projection (LoRA on the MLP): autograd runs the adapter's branch first (created later), so
     # its input gradient waits for the base's while the adapter's saved terms are freed
     adapter = 0
@@ -1395,7 +1395,7 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
             # the undropped input is saved by the adapter alone (torchao's base keeps none): freed with it
             adapter = adapter - c * tokens * f_t
     # the input gradient is the matmul's output: a dequantization's own scratch comes before it
-    grad_in = imax(c * tokens * f_t, dequant_scratch(run, dequant_bytes(run)[1]))
+    grad_in = imax(c * tokens * f_t, dequant_scratch(run, weight))
     mlp = imax(factors * c * tokens * f_t, grad_in + dq + adapter + _sp_gathered_grad(run))
     if run.profile == "megatron":
         return stream + mlp

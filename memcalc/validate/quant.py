@@ -15,9 +15,10 @@
 bitsandbytes dequantizes in one fused CUDA kernel that allocates nothing but its output (its double-quant path
 allocates an fp32 absmax of n/64 elements first, which is not modelled). Here that runs with the tracker paused,
 writing into the one tracked output, on a GPU in pieces of `PIECE` weights, so that the GPU sees no more scratch
-than the kernel would (about 6 MiB). torchao's `NF4Tensor.get_original_weight` (torchtune's QLoRA; the same ops from torchao 0.1 to 0.18)
-is eager PyTorch, and its temporaries are real: it runs here op for op, tracked (`_torchao_dequantize`). The codes
-round to the NF4 levels of the QLoRA paper's appendix; the values matter only so that training runs sensibly.
+than the kernel would (about 6 MiB). torchao's `NF4Tensor.get_original_weight` (torchtune's QLoRA; the same ops
+from torchao 0.1 to 0.18) is eager PyTorch, and its temporaries are real: it runs here op for op, tracked
+(`_torchao_dequantize`). The codes round to the NF4 levels of the QLoRA paper's appendix; the values matter only
+so that training runs sensibly.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class QuantLinear(nn.Module):
         int64, looked up in the level table (in the weight's dtype), scaled by the per-block scalers repeated over
         the half-block, and the halves interleaved by `stack`; its locals live until it returns, so at the stack
         8 n + 3 c n + c n / 64 bytes are live for n weights of c bytes (memcalc/cost/activations.py
-        `dequant_peak_bytes`)."""
+        `dequant_scratch`, which counts the part beyond the output)."""
         dev = self.packed.device
         first = (self.packed >> 4).to(torch.long)
         second = (self.packed & 0b1111).to(torch.long)
