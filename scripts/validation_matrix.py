@@ -477,6 +477,32 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         dict(TQ, lora_targets="qv", recompute="full"))
     add("QLoRA nf4 torchao r=4 all, no recompute, fp32 norms: the down projection's dequantization",
         dict(TQ, lora_targets="all", norm_impl="fp32"))
+    # torch's interleaved schedule in one round (m < 2 pp, activations.interleave_rounds): every chunk's backwards
+    # follow all of the later chunks' (tests/test_validate.py ONE_ROUND, INTERLEAVED_FSDP)
+    IW = dict(layers=4, hidden=512, heads=8, kv_heads=2, ffn=1024, vocab=8192, seq=256, precision="bf16", gpus=2,
+              pp=2, vpp=2, schedule="interleaved")
+    add("PP2 interleaved vpp 2 bf16 AMP, m = pp (one round): the loss chunk's later backward, its gradients only",
+        dict(IW, grad_accum=2))
+    add("PP2 interleaved vpp 2 bf16 AMP, m 3 (torch's one round of 3 micro-batches)", dict(IW, grad_accum=3))
+    add("PP2 interleaved vpp 2 bf16 SGD, weight-heavy, m = pp: the first chunk's later backward, every gradient",
+        dict(IW, grad_accum=2, seq=32, vocab=256, optimizer="sgd"))
+    add("PP4 interleaved vpp 2 bf16 AMP, m 2 < pp", dict(IW, layers=8, gpus=4, pp=4, grad_accum=2, seq=32,
+                                                          vocab=256))
+    add("PP2 interleaved vpp 2 bf16 SGD, weight-heavy (seq 256), m = pp: the first stage's later backward",
+        dict(IW, grad_accum=2, vocab=256, optimizer="sgd"))
+    add("PP2 interleaved vpp 2 bf16 SGD, weight-heavy, m 4: the first stage ends its steady state in the embedding's "
+        "chunk", dict(IW, grad_accum=4, seq=32, vocab=256, optimizer="sgd"))
+    add("PP2 interleaved vpp 2 x TP2 bf16, m 4", dict(IW, gpus=4, tp=2, grad_accum=4))
+    add("PP2 interleaved vpp 2 x TP2+SP bf16, m 4", dict(IW, gpus=4, tp=2, sp=True, grad_accum=4))
+    add("PP2 interleaved vpp 2 x TP2+SP x FSDP2 ZeRO-3 bf16 (3-D), m = pp", dict(IW, gpus=8, tp=2, sp=True, zero=3,
+                                                                                  grad_accum=2))
+    add("PP2 interleaved vpp 2 x FSDP2 ZeRO-2 bf16, m = pp", dict(IW, gpus=4, zero=2, grad_accum=2))
+    add("PP2 interleaved vpp 2 x FSDP2 ZeRO-2 bf16 SGD, weight-heavy, m = pp: each chunk's REDUCE_GRAD",
+        dict(IW, gpus=4, zero=2, grad_accum=2, seq=32, vocab=256, optimizer="sgd"))
+    add("PP2 interleaved vpp 2 x FSDP2 ZeRO-3 bf16, m 4 (two rounds): the other chunk gathered",
+        dict(IW, gpus=4, zero=3, grad_accum=4))
+    add("PP2 interleaved vpp 2 x FSDP2 ZeRO-3 bf16 SGD, weight-heavy, m 8", dict(IW, gpus=4, zero=3, grad_accum=8,
+                                                                                 seq=32, vocab=256, optimizer="sgd"))
     return c
 
 
@@ -666,7 +692,7 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "fully_shard per block (ZeRO-2: reshard_after_forward=False; ZeRO-3: default) with "
            "MixedPrecisionPolicy(bf16, reduce fp32), DTensor TP (+SequenceParallel), FSDP2 x TP, "
            "torch.distributed.pipelining GPipe / 1F1B / interleaved 1F1B, PP x TP (+SP, x FSDP2: torchtitan's 3-D "
-           "layout), all-to-all context parallelism (DeepSpeed-Ulysses' "
+           "layout; interleaved, each model chunk parallelized on its own), all-to-all context parallelism (DeepSpeed-Ulysses' "
            "exchange of Q, K, V and the output with gloo's all_to_all_single, over DDP or FSDP2 on dp x cp); "
            "AMP autocast, pure bf16, bf16 params with an fp32 master "
            "copy; AdamW / Adam / SGD; non-reentrant checkpointing per block (full) or around the attention core "

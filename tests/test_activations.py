@@ -820,6 +820,53 @@ def test_torch_interleaved_pipeline_holds_its_sends():
     assert a.detail["pipeline_input_in_recv_buffer"] == -2 * 16_384
 
 
+def test_torch_interleaved_rounds_and_warm_up():
+    """torch's ScheduleInterleaved1F1B (torch/distributed/pipelining/schedules.py): rounds = max(1, m // pp),
+    `microbatches_per_round` g = m // rounds, warm-up (vpp - 1) * g + 2 * (pp - 1 - rank) chunk forwards (at most
+    m * vpp), one more before the first backward. Megatron's groups stay pp, and it runs every forward first when
+    m == pp. PP2 x vpp 2, 4 layers:
+    m 2: g 2, one round; rank 1: 2 + 0 + 1 = 3 chunks (Megatron: all 4); rank 0: min(2 + 2 + 1, 4) = 4.
+    m 3: g 3 (torch's flexible rounds), one round; rank 1: 3 + 1 = 4 of 6.
+    m 6: g 2, three rounds; rank 1: 2 + 1 = 3."""
+    from memcalc.cost.activations import in_flight, interleave_group, interleave_rounds
+    from memcalc.options import RunOptions, build_run
+
+    def run(m: int, profile: str = "torch"):
+        return build_run(RunOptions(layers=4, hidden=64, heads=4, ffn=176, vocab=512, seq=64, precision="bf16",
+                                    gpus=2, pp=2, vpp=2, grad_accum=m, profile=profile))
+
+    assert [(int(interleave_group(run(m))), int(interleave_rounds(run(m)))) for m in (2, 3, 4, 6)] == [
+        (2, 1), (3, 1), (2, 2), (2, 3)]
+    assert [int(in_flight(run(m), 1)) for m in (2, 3, 6)] == [3, 4, 3]
+    assert int(in_flight(run(2), 0)) == 4
+    assert int(in_flight(run(2, "megatron"), 1)) == 4 and int(interleave_group(run(3, "megatron"))) == 2
+
+
+def test_torch_one_round_interleaved_later_backward_finds_only_the_last_chunk_gradients():
+    """In one round every chunk's backwards follow all of the later chunks': rank 1 of PP2 x vpp 2 (m 2) runs
+    1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1, so at 3B1 only chunk 3's gradients exist (layer 3, final norm, head) and the
+    first chunk's are not made yet: `_layer_shares` takes one layer's trainable elements (parameters of chunk 1)
+    out of the later backward's gradients. Its first chunk's second backward (1B1) holds min(3, 2*2 - 3) = 1 chunk
+    beside every gradient (`_late_chunk_moments`); with two rounds (m 4) neither applies."""
+    from memcalc.cost import timeline
+    from memcalc.cost.params import layer_params
+    from memcalc.options import RunOptions, build_run
+
+    def run(m: int):
+        return build_run(RunOptions(layers=4, hidden=512, heads=8, kv_heads=2, ffn=1024, vocab=256, seq=32,
+                                    precision="bf16", gpus=2, pp=2, vpp=2, grad_accum=m, optimizer="sgd"))
+
+    dense, expert = layer_params(run(2).model)
+    assert dense == 512 * 512 * 2 + 2 * 512 * 128 + 3 * 512 * 1024 + 2 * 512  # q, o, k, v, MLP, two norms
+    early, trainable, first_chunk, resharded, gathered = timeline._layer_shares(run(2), 1)[8]
+    assert early == first_chunk == dense and trainable == 2 * dense + 512 + 256 * 512
+    assert resharded == gathered == 0  # (no FSDP2)
+    a = stage_activations(run(2), 1)
+    assert a.backward_late_chunk_layer_bytes > 0 and a.backward_late_chunk_end_bytes > 0
+    assert timeline._layer_shares(run(4), 1)[8][0] == 0
+    assert stage_activations(run(4), 1).backward_late_chunk_layer_bytes < 0  # (_NEVER)
+
+
 def test_torch_1f1b_keeps_its_last_send_ops_and_a_warm_up_send():
     """torch's Schedule1F1B (PP2, m 4, 4 layers, fp32; one stream tensor 64 x 64 x 4 = 16,384 B). Stage 1 (the last;
     w = 1 warm-up forward): its `bwd_sends` list keeps the previous backward's input gradient through the next

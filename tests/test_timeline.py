@@ -337,7 +337,7 @@ def test_pipelined_fsdp_zero3_copy_outs_and_the_cool_down():
     shape = dict(layers=4, hidden=128, heads=4, ffn=1024, vocab=512, seq=16, gpus=4, pp=2, zero=3, recompute="full")
     unit = 459_008 * 4
     r = run_of(**shape, precision="fp32", grad_accum=4)
-    assert timeline._layer_shares(r, 0)[5:] == (2 * unit, 1, 1)  # copy-in, a later backward re-gathers, cool-down
+    assert timeline._layer_shares(r, 0)[5:8] == (2 * unit, 1, 1)  # copy-in, a later backward re-gathers, cool-down
     sm = stage_memory(r, 0)
     bwd = live(sm, "backward")
     states = 491_776 * 4 + 3_934_208 + 2 * 491_776 * 4  # shards, accumulator, Adam moments
@@ -346,7 +346,7 @@ def test_pipelined_fsdp_zero3_copy_outs_and_the_cool_down():
     assert sum(bwd.values()) - sm.buffers_detail["cublas_workspaces"] == 15_705_088  # -0.001% of the measured
 
     r = run_of(**shape, precision="bf16", grad_accum=2)
-    assert timeline._layer_shares(r, 0)[6:] == (0, 1)  # no backward after the first follows a forward
+    assert timeline._layer_shares(r, 0)[6:8] == (0, 1)  # no backward after the first follows a forward
     sm = stage_memory(r, 0)
     bwd = live(sm, "backward")
     assert bwd["buffers"] - sm.buffers_detail["cublas_workspaces"] == 2 * 918_016 + 131_072 + 918_016 + 8_192 + 512
@@ -355,5 +355,5 @@ def test_pipelined_fsdp_zero3_copy_outs_and_the_cool_down():
     # 1F1B's warm-up and cool-down by stage: PP4, m 4 - stage 0 (3 warm-up forwards) re-gathers in no later
     # backward; stage 3 (none) in all, and has no cool-down; GPipe's later backwards follow backwards
     pp4 = dict(shape, layers=8, gpus=8, pp=4, precision="bf16", grad_accum=4)
-    assert [timeline._layer_shares(run_of(**pp4), s)[6:] for s in range(4)] == [(0, 1), (1, 1), (1, 1), (1, 0)]
-    assert timeline._layer_shares(run_of(**pp4, schedule="gpipe"), 0)[6:] == (0, 0)
+    assert [timeline._layer_shares(run_of(**pp4), s)[6:8] for s in range(4)] == [(0, 1), (1, 1), (1, 1), (1, 0)]
+    assert timeline._layer_shares(run_of(**pp4, schedule="gpipe"), 0)[6:8] == (0, 0)

@@ -344,12 +344,64 @@ def test_interleaved_last_stage_with_a_wide_vocabulary(ga):
     assert abs(rep["error"]) <= 0.0005, rep["error"]
 
 
-@pytest.mark.xfail(strict=False, reason="open (found in session 31): with as many micro-batches as stages the loss "
-                                         "chunk's later backwards come before any other chunk's, whose gradients "
-                                         "memcalc already counts there")
-def test_interleaved_last_stage_with_one_round_of_micro_batches():
-    """The same with 2 micro-batches (m = pp, one round): B s3 m1 runs before B s1 m0, so only the loss chunk's
-    gradients exist at the later loss gradient; memcalc counts the stage's (+10.9%: 217,006,080 B against
-    195,701,852)."""
-    _, rep = _v(**INTERLEAVED_WIDE_HEAD, grad_accum=2)
-    assert abs(rep["error"]) <= 0.01, rep["error"]
+# torch's ScheduleInterleaved1F1B in one round (m < 2 pp: `activations.interleave_rounds`), where every chunk's
+# backwards follow all of the later chunks'. Each was measured off before the round was modelled (in brackets).
+ONE_ROUND = {
+    # B s3 m1 runs before B s1 m0: only the loss chunk's gradients exist at the later loss gradient, and torch's
+    # warm-up holds 3 chunks where Megatron's m == pp would hold all 4 (+10.9%: 217,006,080 B against 195,701,852)
+    "m = pp": dict(grad_accum=2),
+    # torch's flexible rounds: m 3 over pp 2 is one round of 3 (warm-up 3 + 1 chunks; +2.4%)
+    "m = 3, one round of 3": dict(grad_accum=3),
+    # weight-heavy (seq 32, vocabulary 256) with SGD: the first chunk's second backward ends with every gradient
+    # made beside one chunk (-13.0% without that moment)
+    "the first chunk's later backward": dict(grad_accum=2, seq=32, vocab=256, optimizer="sgd"),
+    # m < pp on 4 stages (rounds of m)
+    "PP4, m 2": dict(grad_accum=2, seq=32, vocab=256, layers=8, gpus=4, pp=4),
+    # the first stage, all forwards first: the later backward's end holds 3 chunks, the first backward having freed
+    # its chunk's output (now its send's) and rotary tables too (+0.22%)
+    "first stage, weight-heavy": dict(grad_accum=2, seq=256, vocab=256, optimizer="sgd"),
+}
+
+# ... and in two rounds, where the steady state's last backward on the first stage is the embedding's chunk (the
+# end of the later backward had been taken with the last chunk's casts and both ends' terms: +0.25%), and under
+# tensor parallelism (built per model chunk, as torchtitan parallelizes each model part; +0.46% before)
+TWO_ROUNDS = {
+    "first stage, weight-heavy": dict(grad_accum=4, seq=32, vocab=256, optimizer="sgd"),
+    "TP2": dict(grad_accum=4, gpus=4, tp=2),
+    "TP2+SP": dict(grad_accum=4, gpus=4, tp=2, sp=True),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_ROUND) + [f"two rounds, {c}" for c in TWO_ROUNDS])
+def test_interleaved_schedule_order(case):
+    """PP2 (or PP4) x vpp 2 with 1-layer chunks under bf16 autocast, the stage memcalc finds the worst: the
+    prediction is the measurement to within a few hundred bytes."""
+    opts = ONE_ROUND.get(case) or TWO_ROUNDS[case.removeprefix("two rounds, ")]
+    _, rep = _v(**{**INTERLEAVED_WIDE_HEAD, **opts})
+    assert abs(rep["error"]) <= 0.0005, rep["error"]
+
+
+# Interleaved pipelining over FSDP2 (each model chunk its own FSDP2 root, as torchtitan shards each model part):
+# torch's runtime reduces each chunk's gradients right after its last backward (`REDUCE_GRAD`, which also
+# reshards it), and a pipelined backward leaves its units gathered until a forward reshards them. Error before
+# the terms of this session in brackets (the harness did not build these layouts then).
+INTERLEAVED_FSDP = {
+    # one round, ZeRO-2: the first chunk's later backward holds its own accumulator and the later chunks'
+    # sharded gradients; the later chunks' unsharded parameters are resharded; the reduce-scatter's output comes
+    # after the unit's accumulated gradients are dropped (+22.5%)
+    "ZeRO-2, one round, weight-heavy": (dict(zero=2, grad_accum=2, seq=32, vocab=256, optimizer="sgd"), 0.005),
+    # two rounds, ZeRO-3: the other chunk's layer is still gathered from its last backward at a later round's
+    # loss gradient (-3.1%)
+    "ZeRO-3, two rounds": (dict(zero=3, grad_accum=4), 0.0005),
+    # torchtitan's 3-D layout with interleaving: TP2+SP x FSDP2 ZeRO-3, one round
+    "TP2+SP x ZeRO-3 (3-D), one round": (dict(zero=3, grad_accum=2, gpus=8, tp=2, sp=True), 0.0005),
+}
+
+
+@pytest.mark.parametrize("case", list(INTERLEAVED_FSDP))
+def test_interleaved_over_fsdp2(case):
+    """(the weight-heavy ZeRO-2 row is 0.46% low: at the loss chunk's later backward every compute-dtype gradient
+    of its layer and head waits for the post-backward beside the accumulator; not attributed)"""
+    opts, tol = INTERLEAVED_FSDP[case]
+    _, rep = _v(**{**INTERLEAVED_WIDE_HEAD, "gpus": 4, **opts})
+    assert abs(rep["error"]) <= tol, rep["error"]

@@ -968,6 +968,22 @@ def _saved_after_exchange(terms: dict[str, Num]) -> Num:
     return total
 
 
+def interleave_group(run: Run) -> Num:
+    """Micro-batches per model chunk in a row of the interleaved schedule: Megatron runs them in groups of pp
+    (schedules.py `get_model_chunk_id`); torch's ScheduleInterleaved1F1B in rounds of m // max(1, m // pp)
+    (`microbatches_per_round`; m a multiple of the rounds, any m >= 1), which is pp where pp divides m."""
+    if run.profile == "torch":
+        return run.grad_accum // imax(run.grad_accum // run.pp, 1)
+    return run.pp
+
+
+def interleave_rounds(run: Run) -> Num:
+    """Rounds of the interleaved schedule: m // `interleave_group`. In one round every model chunk's backwards
+    follow all of the later chunks' (the loss chunk's first), so a later backward of the last chunk finds only
+    that chunk's gradients made."""
+    return imax(run.grad_accum // interleave_group(run), 1)
+
+
 def in_flight(run: Run, stage: Num) -> Num:
     """Units of activations held by `stage` at the start of its first backward: micro-batches (1F1B, GPipe) or
     model chunks of L/(pp*vpp) layers (interleaved)."""
@@ -979,12 +995,20 @@ def in_flight(run: Run, stage: Num) -> Num:
         # warmup = 2(pp-i-1) + (vpp-1)pp, capped at m*vpp, plus the first steady-state forward; all m*vpp when
         # m == pp. On stage 0 this is pp*vpp*(1 + (pp-1)/(pp*vpp)) chunks = pp micro-batches' worth of layers times
         # Korthikanti's factor (sec. 4.2.3; Narayanan et al. 2021 sec. 2.2).
+        # torch's ScheduleInterleaved1F1B (torch/distributed/pipelining/schedules.py `_get_warmup_ops`): the same
+        # with its round's micro-batches in place of pp (`interleave_group`) and no all-forwards case for m == pp
         v = run.vpp
-        chunks = imin(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v)
+        g = interleave_group(run)
+        chunks = imin(2 * (pp - stage - 1) + (v - 1) * g + 1, m * v)
+        if run.profile == "torch":
+            return chunks
         return where(m == pp, m * v + 0 * stage, chunks)
     # 1F1B (PipeDream-Flush, Narayanan et al. 2021): pp-i-1 warmup forwards plus one; Megatron schedules.py
     # forward_backward_pipelining_without_interleaving
     return imin(m, pp - stage)
+
+
+_NEVER = -(1 << 62)  # a moment that does not occur (a maximum ignores it)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -1050,6 +1074,12 @@ class StageActivations:
     # one micro-batch's bitsandbytes-held layer inputs (`graph_held_layer_bytes`), live from its backward to the
     # end of that backward, or, where the loop holds the graph (`loop_holds_graph`), to the next loss
     graph_held_bytes: Num = 0
+    # torch's one-round interleaved step (`interleave_rounds`): the first model chunk's second backward, where every
+    # gradient is made and fewer chunks are held: at its last layer's backward, that layer's end and the end of
+    # the backward (`_late_chunk_moments`; _NEVER elsewhere)
+    backward_late_chunk_layer_bytes: Num = _NEVER
+    backward_late_chunk_post_bytes: Num = _NEVER
+    backward_late_chunk_end_bytes: Num = _NEVER
     # torch 1F1B: the previous backward's input gradient, still referenced by the schedule's send ops, in every
     # forward that follows a backward (steady state) on a stage that sends gradients
     steady_forward_sent_bytes: Num = 0
@@ -1584,7 +1614,6 @@ def _hf_moe_backward_transient(run: Run) -> Num:
     return imax(shared, big + routed)
 
 
-_NEVER = -(1 << 62)  # a moment that does not occur (a maximum ignores it)
 
 
 def _layer_moment(mode: str, layer_tr: Num, remat: Num) -> Num:
@@ -1732,8 +1761,8 @@ def _later_weight_grad(run: Run) -> Num:
     return where(fsdp & (pipelined_fsdp(run) == 0), 0, _residual_grad_bytes(run) + tr)
 
 
-def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num, first_backward: bool = False
-                        ) -> tuple[Num, Num]:
+def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num, first_backward: bool = False,
+                        first_chunk: bool = False) -> tuple[Num, Num]:
     """(activations at the end of a later micro-batch's backward under torch pipelining with autocast, or _NEVER;
     the weight gradients' part of them, 0 where the moment does not occur). The autocast region is the whole
     `schedule.step()`, so the step's first forward made every weight's cast node; in a later backward those nodes
@@ -1745,7 +1774,8 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num, first_back
     flight (`others`), this one's stage output (`fwd_cache`), the sends' references (`sent`) and, on a stage that
     sends one, this backward's input gradient. Without that region (no autocast, or pp = 1) only the first stage's
     new embedding gradient is there beside `.grad` (and a tied head's, `_tied_held_grad`). Interleaved: one model
-    chunk's casts (the stage's / vpp; the head's on the last), taken with the most chunks held, an upper bound.
+    chunk's casts (the stage's / vpp; the head's on the last), taken with the most chunks held, an upper bound;
+    `first_chunk`: the first model chunk's backward instead (no head; its output the residual stream).
     Measured: docs/validation.md rows 124-128, 134."""
     m = run.model
     if run.profile != "torch":
@@ -1760,8 +1790,8 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num, first_back
     word = word_embedding_elems(run) + replicated_embedding_grad(run, stage)[0]
     waiting = c * cast_grad_elems(run, stage)
     if run.schedule == "interleaved":
-        waiting = (waiting - c * head) // run.vpp + c * head
-    newest = p * where(head > 0, head, down)
+        waiting = (waiting - c * head) // run.vpp + (0 if first_chunk else c * head)
+    newest = p * (down if first_chunk else where(head > 0, head, down))
     grad_in = _residual_grad_bytes(run)
     # the embedding's output gradient: under torch SP all-gathered to the whole sequence (the backward of its
     # Shard(1) output), the shard freed before the dense gradient is made
@@ -1769,7 +1799,14 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num, first_back
     emb_in = where(run.tp > 1, c_s * _shape(run)[1] * m.hidden, grad_in) if run.sp else grad_in
     emb = newest if "embeddings" in frozen else imax(emb_in + p * word, newest)
     tail = where(first, emb, grad_in + newest)
+    if run.schedule == "interleaved" and not first_chunk:
+        # the first stage's later chunks are not the model's first: they end sending their input gradient, and
+        # only the first chunk's backward makes the embedding's (in a one-round step that one has its own moment,
+        # `_late_chunk_moments`; otherwise the later backward held longest may be either)
+        tail = where(first & (interleave_rounds(run) > 1), imax(emb, grad_in + newest), grad_in + newest)
     out_one = every_stage_terms(run, stage).get("pipeline_output", 0)
+    if first_chunk:  # (on the last rank too its output is the residual stream, sent to the next stage)
+        out_one = where(last, _stream_bytes(run, c) * _shape(run)[2] * m.hidden, out_one)
     occurs = (run.pp > 1) & (_autocast(run) == 1)
     # without that autocast region each gradient is added to `.grad` as it is made: at the end of the backward only
     # the embedding's new dense gradient beside the residual stream's, on the first stage (not under FSDP2, whose
@@ -1797,6 +1834,97 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num, first_back
     return end, where(occurs, waiting + tail, where(plain, plain_tail, where(piped, piped_tail, 0)))
 
 
+def _interleaved_sent(run: Run, stage: Num, j: Num, s_h: Num) -> Num:
+    """torch's interleaved schedule (`_PipelineScheduleRuntime`) waits for its sends only when the step ends, so
+    every output sent forward and input gradient sent backward stays referenced until then: after j backwards
+    (0-indexed: at the start of backward j), each with its output (unless the global last stage's) and its input
+    gradient (unless the global first stage's) still held. Backwards run the latest chunk first in groups of
+    `interleave_group` micro-batches (torch's order; Megatron's groups are pp)."""
+    v, gr = run.vpp, interleave_group(run)
+    first, last = stage == 0, stage == run.pp - 1
+    g2 = j // (gr * v)
+    r2 = j - g2 * gr * v
+    bw_last_chunk = g2 * gr + imin(r2, gr)
+    bw_first_chunk = g2 * gr + imax(imin(r2 - (v - 1) * gr, gr), 0)
+    return s_h * ((j - where(last, bw_last_chunk, 0)) + (j - where(first, bw_first_chunk, 0)))
+
+
+def _interleaved_own(run: Run, stage: Num, s_h: Num, last_saved: Num) -> tuple[Num, Num]:
+    """Interleaved: what one unit of the stage's last chunk and of its first chunk holds beyond its layers' saved
+    sets (its output, its rotary tables, the first stage's input terms or the last stage's loss terms, less the
+    receive buffer its input is under torch pipelining), i.e. what its backward frees or hands to its send."""
+    first, last = stage == 0, stage == run.pp - 1
+    ev = every_stage_terms(run, stage)
+    rest = sum(x for key, x in ev.items() if key != "pipeline_output")
+    recv = s_h if run.profile == "torch" else 0
+    own_last = rest + ev.get("pipeline_output", 0) + where(last, last_saved, 0) - where(first & (run.vpp == 1), 0,
+                                                                                          recv)
+    own_first = (rest + where(last, s_h, ev.get("pipeline_output", 0))
+                 + where(first, sum(first_stage_terms(run).values()), 0) - where(first, 0, recv))
+    return own_last, own_first
+
+
+def _interleaved_later_end(run: Run, stage: Num, others_all: Num, j_star: Num, s_h: Num, last_saved: Num,
+                           upper: Num) -> Num:
+    """torch's interleaved schedule: the end of the steady state's last backward of the last chunk and of the
+    first chunk (`_later_backward_end`; the first chunk's on the first stage makes the embedding's gradient, the
+    last chunk's on the last stage waits for the head's cast), each at the latest backward of that chunk up to
+    the steady state's last (j_star), so with as many chunks held and the sends of the backwards before it. The
+    ending chunk's own terms (its output, rotary tables, the first stage's input terms or the last stage's loss
+    terms, less the receive buffer its input is) are not among the others (`others_all`: held less one chunk's
+    layers). `upper` (the bound with the last chunk's casts at j_star) where the moment does not occur."""
+    v, gr = run.vpp, interleave_group(run)
+    own_last, own_first = _interleaved_own(run, stage, s_h, last_saved)
+    # the latest backward of each kind at or before j_star (chunk of backward j: v-1 - (j // gr) mod v)
+    base = (j_star // (gr * v)) * (gr * v)
+    pos = j_star - base
+    j_last = where(pos < gr, j_star, base + gr - 1)
+    j_first = where(pos >= (v - 1) * gr, j_star, base - 1)
+    end_last, _ = _later_backward_end(run, stage, others_all - own_last, _interleaved_sent(run, stage, j_last, s_h))
+    end_first, _ = _later_backward_end(run, stage, others_all - own_first,
+                                       _interleaved_sent(run, stage, j_first, s_h), first_chunk=True)
+    exact = imax(where(j_last >= 1, end_last, _NEVER), where(j_first >= 1, end_first, _NEVER))
+    return where(exact > _NEVER, exact, upper)
+
+
+def _late_chunk_moments(run: Run, stage: Num, units: Num, unit_bytes: Num, one_layer: Num, s_h: Num,
+                        dw: tuple[Num, Num, Num], at_layer: tuple[Any, ...]) -> tuple[Num, Num, Num]:
+    """torch's ScheduleInterleaved1F1B in one round (`interleave_rounds`, m >= 2): every chunk's backwards follow
+    all of the later chunks' (the loss chunk's first), so the later backwards of the last chunk find only its
+    gradients made (timeline `_layer_shares`) and every gradient is made only once the first chunk's backwards
+    start. The first chunk's second backward (0-indexed j = (v-1)*m + 1) holds min(units, m - 1) of its chunks
+    (fewer than a later backward of the last chunk) beside all of the gradients: (its last layer's backward, that
+    layer's end, the end of its backward), or _NEVER each where the step is not such a one. Each chunk held counts
+    its layers, its output (sent forward, the residual stream on the last rank too), the first stage's input
+    terms, the per-chunk rotary tables, less the receive buffer its input is (not on the first stage); the sends
+    of the j backwards done stay referenced to the step's end (outputs but the loss chunk's on the last rank,
+    input gradients but the first chunk's on the first). Measured: docs/validation.md (interleaved one-round
+    rows)."""
+    if run.profile != "torch" or run.schedule != "interleaved":
+        return _NEVER, _NEVER, _NEVER
+    late_dw, later_dw, piped_dw = dw  # (as `stage_activations` names them)
+    mode, plain, remat, dense_at, re_run = at_layer
+    v, mm = run.vpp, run.grad_accum
+    first, last = stage == 0, stage == run.pp - 1
+    occurs = (interleave_rounds(run) == 1) & (mm >= 2)
+    j = (v - 1) * mm + 1
+    n_k = imin(units, mm * v - j)
+    ev = every_stage_terms(run, stage)
+    u0 = (unit_bytes + where(first, sum(first_stage_terms(run).values()), 0) - where(first, 0, s_h)
+          + sum(x for key, x in ev.items() if key != "pipeline_output") + where(last, s_h, ev.get("pipeline_output", 0)))
+    held_k = n_k * u0
+    sent_k = s_h * ((j - where(last, mm, 0)) + (j - where(first, 1, 0)))
+    grad_in = _residual_grad_bytes(run)
+    # its last layer's output gradient arrives in the receive buffer on every rank (the chunk's output goes to the
+    # next stage), as on a stage other than the last (`recv_stream`)
+    at_first = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, grad_in), remat), dense_at), re_run)
+    at = imax(at_first + piped_dw, _layer_moment(mode, where(later_dw > 0, later_dw - grad_in, 0), remat))
+    layer = held_k + at + sent_k + late_dw
+    post = held_k - one_layer + grad_in + sent_k + late_dw
+    end, _ = _later_backward_end(run, stage, held_k - u0, sent_k, first_chunk=True)
+    return where(occurs, layer, _NEVER), where(occurs, post, _NEVER), where(occurs, end, _NEVER)
+
+
 def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     """Activations of one rank of pipeline stage `stage` (int or numpy array)."""
     m = run.model
@@ -1809,12 +1937,14 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         unit_layers = m.layers // (pp * v)  # resolve() checks pp*vpp | L
         total_units = run.grad_accum * v
         # Megatron runs forwards in groups of pp micro-batches per model chunk (chunk id of the k-th forward:
-        # (k mod pp*v) // pp; schedules.py get_model_chunk_id): of the `units` forwards before the first backward,
-        # count those of chunk 0 (embedding, on stage 0) and of chunk v-1 (loss, on the last stage)
-        groups = units // (pp * v)
-        rem = units - groups * pp * v
-        n_first = groups * pp + imin(rem, pp)
-        n_last = groups * pp + imax(imin(rem - (v - 1) * pp, pp), 0)
+        # (k mod pp*v) // pp; schedules.py get_model_chunk_id; torch in groups of `interleave_group`): of the
+        # `units` forwards before the first backward, count those of chunk 0 (embedding, on stage 0) and of chunk
+        # v-1 (loss, on the last stage)
+        gr = interleave_group(run)
+        groups = units // (gr * v)
+        rem = units - groups * gr * v
+        n_first = groups * gr + imin(rem, gr)
+        n_last = groups * gr + imax(imin(rem - (v - 1) * gr, gr), 0)
         n_every = units  # rotary tables and pipeline outputs: one per model-chunk forward
     else:
         unit_layers = stage_layers(run, stage)
@@ -1932,14 +2062,10 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # (unless the global last stage) and its input gradient (unless the global first stage) still held.
     # Backwards run latest chunk first in groups of pp micro-batches (torch's order, as Megatron's).
     sent = 0
+    j_star = 0  # (interleaved: the backward, 0-indexed, that ends the steady state)
     if run.profile == "torch" and run.schedule == "interleaved":
-        v = run.vpp
-        j = imax(total_units - units, 0)
-        g2 = j // (pp * v)
-        r2 = j - g2 * pp * v
-        bw_last_chunk = g2 * pp + imin(r2, pp)
-        bw_first_chunk = g2 * pp + imax(imin(r2 - (v - 1) * pp, pp), 0)
-        sent = s_h * ((j - where(last, bw_last_chunk, 0)) + (j - where(first, bw_first_chunk, 0)))
+        j_star = imax(total_units - units, 1)  # (the second backward where all forwards come first)
+        sent = _interleaved_sent(run, stage, j_star, s_h)
     # torch's Schedule1F1B builds a backward's send ops (`bwd_sends`, P2POps that reference the stage's input
     # gradient) and rebinds the list only after the next backward: on every stage but the first, the previous
     # backward's input gradient is live through the next forward and backward (any backend; measured, row 44)
@@ -1977,6 +2103,10 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     freed = unit_gpu if run.schedule == "interleaved" else unit_gpu + extra
     later_units = imin(units, total_units - 1)  # held when a later backward starts (steady state or drain)
     held_later = held - (units - later_units) * freed
+    if run.profile == "torch" and run.schedule == "interleaved" and not off:
+        # (all forwards first: the first backward, the last chunk's, freed its unit's own terms too, its output
+        # now referenced by its send)
+        held_later = held_later - (units - later_units) * _interleaved_own(run, stage, s_h, last_saved)[0]
     # interleaved: on the last stage the ending backward is the loss chunk's (the upper bound of
     # `_later_backward_end`), whose micro-batch has consumed its loss terms and whose output `_later_backward_end`
     # counts itself: neither stays among the others held
@@ -1985,6 +2115,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         own = where(last, last_saved + every_stage_terms(run, stage).get("pipeline_output", 0), 0)
     later_end, cast_grads = (_later_backward_end(run, stage, held_later - freed - own, sent) if not off
                              else (_NEVER, 0))
+    if run.profile == "torch" and run.schedule == "interleaved" and not off:
+        later_end = _interleaved_later_end(run, stage, held_later - freed, j_star, s_h, last_saved, later_end)
     if run.profile == "torch" and run.zero >= 2 and not off:
         # torch pipelining over FSDP2: the first backward's end holds the other micro-batches in flight too, with the
         # same accumulated gradients and unsharded units as a later one's (`_later_backward_end`)
@@ -2131,6 +2263,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         graph_held = unit_held - where(first & first_kept, _graph_held_first_layer_fix(run, plain), 0) + head_held
     detail["graph_held_inputs_transient"] = graph_held
     post = base_bwd - one_layer + w_prev + _residual_grad_bytes(run)
+    late = _late_chunk_moments(run, stage, units, unit_bytes, one_layer, s_h, dw=(late_dw, later_dw, piped_dw),
+                               at_layer=(mode, plain, remat, dense_at, re_run)) if not off else (_NEVER,) * 3
     return StageActivations(
         held_bytes=held + w_last,
         forward_bytes=held + w_last + fwd_tr,
@@ -2153,6 +2287,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         forward_layer_end_bytes=base + pair + layer_out,
         backward_post_bytes=post,
         backward_later_post_bytes=where(total_units > 1, post - held + held_later + sent + late_dw, _NEVER),
+        backward_late_chunk_layer_bytes=late[0],
+        backward_late_chunk_post_bytes=late[1],
+        backward_late_chunk_end_bytes=late[2],
         loss_kept_bytes=kept,
         graph_held_bytes=graph_held,
         steady_forward_sent_bytes=steady_sent,

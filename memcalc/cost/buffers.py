@@ -479,6 +479,21 @@ def side_stream_pools(run: Run, stage: Num, grads_bytes: Num) -> dict[str, Num]:
     }
 
 
+def pipelined_fsdp_later_chunks_bytes(run: Run, stage: Num) -> Num:
+    """torch pipelining over FSDP2, interleaved: the unsharded parameter bytes of the stage's model chunks but the
+    first (each chunk its own FSDP2 root, as torchtitan shards each model part), which their `REDUCE_GRAD` reshards
+    after their last backward (`perform_reduce_grad` sets `reshard_after_backward`): in a one-round step that comes
+    before the first chunk's later backwards (timeline). ZeRO-2 keeps every unit gathered until then (L/(pp*vpp)
+    layers a chunk, and the last stage's final norm and head); ZeRO-3 only the last chunk's root. 0 elsewhere."""
+    if run.profile != "torch" or run.schedule != "interleaved" or run.zero < 2:
+        return 0 * stage
+    cb = DTYPE_BYTES[run.recipe.compute_dtype]
+    layer_flat, root_flat = _fsdp_flat_units(run, stage)
+    last = stage == run.pp - 1
+    layers = (run.vpp - 1) * (run.model.layers // (run.pp * run.vpp)) if run.zero == 2 else 0
+    return where(pipelined_fsdp(run) == 1, cb * (layers * layer_flat + where(last, root_flat, 0)), 0)
+
+
 def pipelined_fsdp_grad_bytes(run: Run, stage: Num) -> Num:
     """torch pipelining over FSDP2 (pp > 1, a shard group of more than one rank): the stage's unsharded gradients,
     accumulated over the step's micro-batches. `PipelineStage.backward_maybe_with_nosync` runs every micro-batch's
@@ -673,8 +688,10 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     last = _root_last_elems(run, stage)
     rs_out = rb * cdiv(root_flat, imax(d, 1)) + cb * last
     # (pipelined: `perform_reduce_grad` reduces each unit in turn after the last backward, every unsharded gradient
-    # still live beside the first one's reduce-scatter input)
-    piped_rs = rb * imax(root_flat, layer_flat) + rb * cdiv(imax(root_flat, layer_flat), imax(d, 1))
+    # still live beside the first one's reduce-scatter input; `foreach_reduce` drops the unit's accumulated
+    # gradients, all but the loop's last one, before it allocates the output, a 1/d of the input: that moment is
+    # lower wherever the unit's other gradients outweigh the output)
+    piped_rs = rb * imax(root_flat, layer_flat)
     out["fsdp_root_reduce_scatter"] = Buffer(
         where(sharded, muldiv(where(per_unit, rb * root_flat + imax(cb * root, rs_out), piped_rs), share_num,
                               share_den), 0),

@@ -373,6 +373,23 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
                       frozen)
 
 
+def early_chunks_trainable(run: Run, stage: Num, chunks: Num | None = None) -> Num:
+    """Interleaved schedule: trainable elements of the stage's first `chunks` model chunks (each L/(pp*vpp)
+    layers; chunk 0 of stage 0 holds the embedding), by default all but its last, i.e. the gradients a later
+    backward of the last chunk does not find made in a one-round step (activations `interleave_rounds`). 0 without
+    interleaving. A --freeze'd first layers' share is not taken out (at most the trainable elements)."""
+    if run.schedule != "interleaved":
+        return 0 * stage
+    m, t = run.model, run.training
+    layers = (run.vpp - 1 if chunks is None else chunks) * (m.layers // (run.pp * run.vpp))
+    if t.lora_rank is not None:
+        return layers * lora_layer_params(m, t.lora_targets, t.lora_rank, run.tp) + 0 * stage
+    dense_l, expert_l = layer_params(m, run.tp, run.ep)
+    emb = 0 if "embeddings" in t.freeze else embedding_params(m, run.profile, run.tp)
+    early = scaled(run, layers * (dense_l + expert_l) + where(stage == 0, emb, 0))
+    return imin(early, stage_param_split(run, stage).trainable)
+
+
 def scaled(run: Run, x: Num) -> Num:
     """`--params N`: scale an element count of the reference shape to N, as stage_params does (the one helper for
     buffers, comm and activations)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcalc.cost.activations import _NEVER, loop_holds_graph, stage_activations
+from memcalc.cost.activations import _NEVER, interleave_rounds, loop_holds_graph, stage_activations
 from memcalc.cost.buffers import (
     amp_casts_freed_at_attention,
     amp_head_cast_freed,
@@ -37,16 +37,19 @@ from memcalc.cost.buffers import (
     fsdp_backward_release_bytes,
     fsdp_root_shard_grad_bytes,
     pipelined_fsdp_grad_bytes,
+    pipelined_fsdp_later_chunks_bytes,
     side_stream_pools,
     stage_buffers,
 )
 from memcalc.cost.params import (
+    early_chunks_trainable,
     first_attention_grad_elems,
     first_backward_grad_elems,
     fsdp_sharded,
     layer_params,
     lora_first_grad_elems,
     pipelined_fsdp,
+    stage_param_split,
     stage_params,
 )
 from memcalc.cost.states import ModelStates, model_states
@@ -211,8 +214,10 @@ def _peak(phases: tuple[Phase, ...]) -> Num:
 
 # `_layer_shares`: (one layer's elements, the stage's, the bytes a finished layer frees, the root's sharded gradient
 # bytes, the pipelined accumulator's bytes, the copy-in bytes, whether a later backward re-gathers, whether one
-# follows a backward with every unit gathered)
-_Shares = tuple[Num, Num, Num, Num, Num, Num, Num, Num]
+# follows a backward with every unit gathered, and in a one-round interleaved step (trainable elements of the
+# chunks but the last, of the stage, of the first chunk; the later chunks' unsharded bytes resharded before the
+# first chunk's later backwards), and over ZeRO-3 in more rounds the other chunks' layers still gathered then)
+_Shares = tuple[Num, Num, Num, Num, Num, Num, Num, Num, tuple[Num, Num, Num, Num, Num]]
 
 
 def _layer_shares(run: Run, stage: Num) -> _Shares:
@@ -226,7 +231,12 @@ def _layer_shares(run: Run, stage: Num) -> _Shares:
     where a later micro-batch's backward follows a forward, which resharded every unit, so that it gathers its
     layers again (0 where torch pipelining's later backwards all follow backwards, every unit still gathered); and 1
     where 1F1B's cool-down has such a backward that follows a backward (torch pipelining over ZeRO-3, every stage
-    but the last), 0 elsewhere."""
+    but the last), 0 elsewhere; and torch's one-round interleaved step (`interleave_rounds`): the trainable
+    elements of the stage's chunks but the last (whose gradients the last chunk's later backwards precede), of the
+    stage, and of its first chunk, and the bytes of `buffers.pipelined_fsdp_later_chunks_bytes` ((0, trainable, 0,
+    0) elsewhere); and over ZeRO-3 in a step of more rounds, the other chunks' layers, gathered by their last
+    backward (no reshard after a pipelined backward) and not yet by a forward when a later round's backward runs
+    (torch's order pairs each forward with a backward of another chunk; an upper bound beyond two chunks)."""
     dense_l, expert_l = layer_params(run.model, run.tp, run.ep)
     dense_s, expert_s = stage_params(run, stage)
     freed = fsdp_backward_release_bytes(run, stage) + amp_layer_casts_freed(run)
@@ -242,8 +252,16 @@ def _layer_shares(run: Run, stage: Num) -> _Shares:
     later_regathers = where(pipelined_fsdp(run) == 1, steady, 1)
     cool_down = where((pipelined_fsdp(run) == 1) & (stage < run.pp - 1), 1, 0) \
         if run.schedule != "gpipe" and run.zero >= 3 else 0 * warm
+    one_round = (run.profile == "torch") & (interleave_rounds(run) == 1)
+    n_chunk = run.model.layers // (run.pp * run.vpp)  # (interleaved: layers of a model chunk)
+    early = where(one_round, early_chunks_trainable(run, stage), 0)
+    not_yet = (early, imax(stage_param_split(run, stage).trainable, 1),
+               where(one_round, early_chunks_trainable(run, stage, 1), 0),
+               where(one_round, pipelined_fsdp_later_chunks_bytes(run, stage), 0),
+               where(one_round | (acc == 0), 0, (run.vpp - 1) * n_chunk * unit)
+               if run.schedule == "interleaved" and run.zero >= 3 else 0 * acc)
     return (dense_l + expert_l, imax(dense_s + expert_s, 1), freed, fsdp_root_shard_grad_bytes(run, stage), acc,
-            regather, later_regathers, cool_down)
+            regather, later_regathers, cool_down, not_yet)
 
 
 def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
@@ -306,7 +324,11 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # the sharded ones are made only after the step's last backward
     acc = shares[4]
     piped = pipelined_fsdp(run) == 1
-    later_fwd_g = fwd_grads if first_step else where(forwards > act.in_flight, where(piped, acc, grads), fwd_grads)
+    # (torch's one-round interleaved step: every forward after a backward is the last chunk's, and only its
+    # gradients are made, `_layer_shares`)
+    made = where(piped, acc, grads)
+    made = made - muldiv(made, shares[8][0], shares[8][1])
+    later_fwd_g = fwd_grads if first_step else where(forwards > act.in_flight, imax(made, fwd_grads), fwd_grads)
     # forward: the loss (every saved activation + the logits and their fp32 upcast) or, just before it, the
     # LM head matmul (FSDP2 still holds the last unit's all-gather output there)
     # Every such forward holds as many activations as the last one before the first backward, so each moment is
@@ -333,13 +355,24 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # backward: the loss gradient (start of the first backward), the first layer's backward (loss terms freed,
     # the layer's gradient transients and the first weight gradients live), the start of a later backward
     # (fewer or as many activations, all gradients allocated), and the end of backward (FSDP2's root reduce)
+    # (torch's one-round interleaved step: a later backward of the last chunk precedes every earlier chunk's, whose
+    # gradients are not made yet, `_layer_shares`; the step's other later backwards hold fewer chunks)
+    layer_elems, stage_elems, rel, root_shard, _, copy_in, later_regathers, cool_down, not_yet = shares
     if s.grads_persistent:
-        first_g, layer_g, attn_g, later_g = grads, grads, grads, grads
+        first_g, layer_g, attn_g, all_g, later_g = grads, grads, grads, grads, grads
         later_act = act.backward_first_bytes
     else:
-        later_g = where(piped, acc, grads)
+        all_g = where(piped, acc, grads)
+        later_g = all_g - muldiv(all_g, not_yet[0], not_yet[1])
         first_g, layer_g, attn_g = zero, imin(first_grads[0], later_g), imin(first_grads[1], later_g)
         later_act = act.backward_later_bytes
+    # ... and where every gradient is made (the first chunk's later backwards), torch pipelining over FSDP2 has
+    # reduced the later chunks' (`REDUCE_GRAD` after a stage's last backward, torch/distributed/pipelining/
+    # schedules.py `_add_reduce_grad`): their sharded gradients beside the first chunk's accumulator
+    late_g = where(piped, muldiv(acc, not_yet[2], not_yet[1]) + grads - muldiv(grads, not_yet[2], not_yet[1]),
+                   all_g)
+    # (the step's last REDUCE_GRAD, the first chunk's, likewise)
+    end_g = where(interleave_rounds(run) == 1, late_g, all_g) if run.schedule == "interleaved" else all_g
     # later layers of the first backward: each frees one layer's activations (a) and adds one layer's gradients
     # (g; FSDP2: the sharded ones, plus the previous unit's reduce-scatter input held in flight,
     # "backward_layer_next"); linear in the layer index, so the second layer and the last bound them all, with
@@ -350,8 +383,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     a, n_l = act.layer_freed_bytes, act.layers
     # rel: buffer bytes a finished layer frees (FSDP2 ZeRO-2's reshard, or the layer's autocast copies; minus a
     # layer under torch pipelining's ZeRO-3, whose finished units stay gathered)
-    layer_elems, stage_elems, rel, root_shard, _, copy_in, later_regathers, cool_down = shares
-    g = 0 * grads if s.grads_persistent else muldiv(later_g, layer_elems, stage_elems)
+    g = 0 * grads if s.grads_persistent else muldiv(all_g, layer_elems, stage_elems)
     more = n_l > 1
     k_last = imax(n_l - 1, 1)
     k_pen = imax(n_l - 2, 1)  # the last layer with a prefetch
@@ -362,6 +394,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     later = (run.grad_accum > 1) & (not first_step)
 
     def if_later(m: dict[str, Num]) -> dict[str, Num]:
+        m = {**m, "buffers": m["buffers"] + not_yet[4]}
         return {k: where(later, v, 0 * v) for k, v in m.items()}
 
     # torch pipelining over FSDP2 leaves every unit unsharded after a backward (`rel` is minus a unit under ZeRO-3):
@@ -378,6 +411,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     less = act.drain_less_bytes
 
     def drain(a_k: Num, b_k: Num) -> dict[str, Num]:
+        # (one-round interleaved: the last chunk's second backward, only its gradients made, `later_g`)
         return moment(later_g, where(drains, a_k - less, _NEVER), b_k + gathered)
     # ... and under ZeRO-3 every unit was resharded after its forward, the stage's last one too: a backward starts
     # with that unit's copy-out, its all-gather output beside its unsharded parameters (GPipe's later ones excepted)
@@ -458,13 +492,22 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         # backward: `rel` is minus a unit), no reduce-scatter before the step's last backward
         if_later(moment(later_g, act.backward_later_end_bytes,
                         where(piped, buf("backward_layer") - (n_l - 1) * rel, buf("backward_end")))),
+        # torch's one-round interleaved step: the first chunk's second backward, every gradient made, fewer chunks
+        # held (activations `_late_chunk_moments`)
+        # (and over FSDP2 the later chunks resharded by their REDUCE_GRAD)
+        if_later(moment(late_g, act.backward_late_chunk_layer_bytes, buf("backward_layer") + where(more, pre, 0)
+                        - not_yet[3])),
+        if_later(moment(late_g, act.backward_late_chunk_post_bytes,
+                        buf("backward_post") - rel + where(more, pre, 0) - not_yet[3])),
+        if_later(moment(late_g, act.backward_late_chunk_end_bytes,
+                        where(piped, buf("backward_layer") - (n_l - 1) * rel, buf("backward_end")) - not_yet[3])),
         # FSDP2: the root's reduce-scatter, whose output makes the root's sharded gradients (none yet in the step's
         # first micro-batch)
-        moment(where(later, where(piped, acc, grads), grads - root_shard), act.loss_kept_bytes + act.graph_held_bytes
+        moment(where(later, end_g, grads - root_shard), act.loss_kept_bytes + act.graph_held_bytes
                + act.backward_end_bytes, buf("backward_end")),
         # FSDP2: the embedding's backward, before the root's post-backward (its gradient, and with a tied head the
         # sum with the held one, beside the root's unsharded parameters)
-        moment(where(later, where(piped, acc, grads), grads - root_shard), act.loss_kept_bytes
+        moment(where(later, end_g, grads - root_shard), act.loss_kept_bytes
                + act.graph_held_bytes + act.backward_root_bytes, buf("backward_root")),
     ]
     # the optimizer step follows this micro-batch's backward, whose graph the loop still holds (the first step's too)

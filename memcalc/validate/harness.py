@@ -237,15 +237,19 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
         ddp_model = model
         # vocab-parallel loss under TP (torchtitan's default, Megatron's cross-entropy), pipelined or not
         vocab_parallel_loss = run.tp > 1
+        # (interleaved: each model chunk is parallelized on its own, as torchtitan does each model part)
+        parts = chunks or [model]
         if run.tp > 1:
-            apply_tp(model, mesh["tp"], run.sp, loss_parallel=vocab_parallel_loss)
+            for part in parts:
+                apply_tp(part, mesh["tp"], run.sp, loss_parallel=vocab_parallel_loss)
         if fsdp:
             mp = None
             if recipe.compute_copy:
                 from torch.distributed.fsdp import MixedPrecisionPolicy
 
                 mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-            apply_fsdp(model, mesh["dp"], run.zero, mp, pipelined=run.pp > 1)
+            for part in parts:
+                apply_fsdp(part, mesh["dp"], run.zero, mp, pipelined=run.pp > 1)
         elif replicas > 1 and run.pp == 1 and run.tp == 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 

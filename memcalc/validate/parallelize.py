@@ -41,9 +41,6 @@ def check_supported(run: Run, world: str, device: str) -> None:
         if run.tp > 1 or run.pp > 1 or t.qkv_impl != "separate" or t.gqa_impl != "native":
             raise Unsupported("--cp-comm a2a runs in the harness with data and context parallelism alone (tp = pp = "
                               "1) and separate, native-GQA Q/K/V")
-    if run.vpp > 1 and (run.dp > 1 or run.tp > 1):
-        raise Unsupported("--vpp > 1 (interleaved 1F1B) runs in the harness with pipeline parallelism alone "
-                          "(dp = tp = 1)")
     if run.offload != "none":
         raise Unsupported("--offload is not built by the harness")
     if t.precision == "fp8":
