@@ -503,6 +503,14 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         dict(IW, gpus=4, zero=3, grad_accum=4))
     add("PP2 interleaved vpp 2 x FSDP2 ZeRO-3 bf16 SGD, weight-heavy, m 8", dict(IW, gpus=4, zero=3, grad_accum=8,
                                                                                  seq=32, vocab=256, optimizer="sgd"))
+    # torch TP with a tied LM head: the head's Shard(0) gradient and the embedding's Replicate one summed into a
+    # shard at the end of backward (activations._tied_sum_bytes)
+    TT = dict(layers=2, hidden=64, heads=4, ffn=176, vocab=512, seq=64, tied_embeddings=True, gpus=2, tp=2)
+    add("TP2 fp32, tied head", dict(TT, precision="fp32"))
+    add("TP2+SP bf16 AMP, tied head", dict(TT, precision="bf16", sp=True))
+    add("TP2 fp32 SGD, tied head, weight-heavy (vocab 8192, seq 32), m 2: the tied sum", dict(
+        TT, precision="fp32", vocab=8192, seq=32, optimizer="sgd", grad_accum=2))
+    add("FSDP2 ZeRO-3 x TP2 bf16, tied head", dict(TT, precision="bf16", gpus=4, zero=3))
     return c
 
 

@@ -1660,6 +1660,19 @@ def _tied_held_grad(run: Run, stage: Num) -> Num:
     return where((run.pp == 1) & (fsdp_sharded(run) == 0), p * word_embedding_elems(run), 0)
 
 
+def _tied_sum_bytes(run: Run, stage: Num) -> Num:
+    """torch TP (pp = 1, not FSDP2) with a tied head: beyond the non-TP tied sum (`_tied_held_grad`), the bytes the
+    embedding's backward adds: its dense gradient is Replicate V x h (`params.replicated_embedding_grad`), its
+    vocab shard is cloned to meet the head's Shard(0) gradient (`Shard._replicate_to_shard`), and the two shards
+    are added out of place into `.grad`: the clone and the replicated part beyond the shard, `p*(V/t + V - V/t)*h`.
+    0 elsewhere. Measured: docs/validation.md (TP with tied embeddings rows)."""
+    tied = _tied_held_grad(run, stage)
+    m = run.model
+    p = DTYPE_BYTES[run.recipe.param_dtype]
+    extra = scaled(run, padded_vocab(m, run.profile, 1) * m.hidden) - word_embedding_elems(run)
+    return where((tied > 0) & (run.tp > 1), tied + p * extra, 0)
+
+
 def _fsdp_root_backward(run: Run) -> Num:
     """FSDP2 (pp = 1, torch): activations at the embedding's backward, or _NEVER: its dense gradient (unsharded,
     in the all-gather's parameter dtype) beside the root's unsharded parameters and the head's unsharded gradient
@@ -1815,7 +1828,9 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num, first_back
     plain = first & (fsdp_sharded(run) == 0) & ("embeddings" not in frozen) & (run.training.lora_rank is None)
     # a tied head's gradient waits for it (`_tied_held_grad`): then their sum, then added to `.grad` in place
     tied = _tied_held_grad(run, stage)
-    plain_tail = where(tied > 0, imax(grad_in + 2 * tied, 3 * tied), emb_in + p * word)
+    tp_tied = _tied_sum_bytes(run, stage)  # (under TP: the replicated gradient and the shard's clone)
+    plain_tail = where(tied > 0, imax(grad_in + 2 * tied + tp_tied - where(tp_tied > 0, tied, 0), 3 * tied + tp_tied),
+                       emb_in + p * word)
     # torch pipelining over FSDP2 (no autocast: MixedPrecisionPolicy): the stage's first unit ends the backward.
     # Under the policy its post-backward moves the unit's compute-dtype gradients into the reduce-dtype
     # accumulator (the accumulator counted as gradients, `buffers.pipelined_fsdp_grad_bytes`): the copy is made
@@ -2274,7 +2289,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_attention_bytes=attn_bwd,
         backward_later_layer_bytes=where(total_units > 1, later_layer_bwd - held + held_later + sent + late_dw
                                          + _tied_held_grad(run, stage), 0),
-        backward_end_bytes=2 * _tied_held_grad(run, stage),
+        backward_end_bytes=2 * _tied_held_grad(run, stage) + _tied_sum_bytes(run, stage),
         backward_root_bytes=_fsdp_root_backward(run),
         backward_later_end_bytes=where(total_units > 1, later_end, _NEVER),
         backward_later_head_bytes=where(total_units > 1, later_head, _NEVER),

@@ -440,6 +440,11 @@ def replicated_embedding_grad(run: Run, stage: Num, under_fsdp: bool = False) ->
     applies = (stage == 0) & (run.tp > 1)
     if not under_fsdp:
         applies = applies & (fsdp_sharded(run) == 0)
+        if m.tied_embeddings:
+            # a tied head on the same rank: its Shard(0) gradient waits for the embedding's, and their sum (the
+            # replicated one's shard cloned and added out of place) becomes `.grad`, a shard (activations
+            # `_tied_sum_bytes`)
+            applies = applies & (run.pp > 1)
     return where(applies, scaled(run, extra), 0), where(applies, scaled(run, shard), 0)
 
 

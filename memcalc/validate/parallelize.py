@@ -92,8 +92,6 @@ def check_supported(run: Run, world: str, device: str) -> None:
                               "cannot carry)")
     if run.tp > 1 and run.dp > 1 and run.zero < 2:
         raise Unsupported("--tp with --dp > 1 needs --zero 2 or 3 (FSDP2 x TP) in the harness")
-    if run.tp > 1 and m.tied_embeddings:
-        raise Unsupported("--tp with tied embeddings is not built by the harness")
     if device == "meta":
         if world != "fake":
             raise Unsupported("--device meta needs --world fake")
@@ -172,7 +170,10 @@ def apply_tp(model: GPT, tp_mesh: Any, sp: bool, loss_parallel: bool) -> None:
         top["head.out"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
                                           output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                           use_local_output=not loss_parallel)
+    tied = model.embed is not None and model.head is not None and model.head.out.weight is model.embed.tok.weight
     parallelize_module(model, tp_mesh, top)
+    if tied:  # both styles shard the shared (V, h) weight on dim 0: tie the head to the embedding's DTensor again
+        model.head.out.weight = model.embed.tok.weight
     for blk in model.layers.values():
         b = inner_block(blk)
         plan: dict[str, Any] = {
