@@ -495,10 +495,18 @@ def resolve(
         )
     if pp > m.layers:
         raise InputError(f"--pp {pp} exceeds the {m.layers} layers; valid: 1..{m.layers}")
-    if vpp > 1 and m.layers % (pp * vpp):
+    if vpp > 1 and m.layers % (pp * vpp) and (profile != "torch" or (m.moe is not None and m.moe.first_dense_layers)):
+        # (torch pipelining splits unevenly as torchtitan does, params.stage_layers; Megatron's interleaving needs
+        # whole chunks; an MoE model's first dense layers are placed chunk by chunk only for even chunks)
+        why = "" if profile != "torch" else " (an MoE model's first dense layers need even chunks)"
         raise InputError(
-            f"--vpp {vpp} with --pp {pp} needs layers ({m.layers}) divisible by pp*vpp = {pp * vpp}"
+            f"--vpp {vpp} with --pp {pp} needs layers ({m.layers}) divisible by pp*vpp = {pp * vpp}{why}; "
+            + ("--profile torch splits them unevenly, as torchtitan does" if profile != "torch" else
+               f"valid: --vpp {' or '.join(str(d) for d in range(2, m.layers // pp + 1) if m.layers % (pp * d) == 0) or '1'}")
         )
+    if vpp > 1 and pp * vpp > m.layers:
+        raise InputError(f"--pp {pp} x --vpp {vpp} = {pp * vpp} model chunks exceed the {m.layers} layers; valid: "
+                         f"pp*vpp <= {m.layers}")
     if vpp > 1 and pp == 1:
         raise InputError("--vpp > 1 needs --pp > 1 (virtual stages interleave pipeline stages)")
     if t.seq % cp:

@@ -511,6 +511,13 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     add("TP2 fp32 SGD, tied head, weight-heavy (vocab 8192, seq 32), m 2: the tied sum", dict(
         TT, precision="fp32", vocab=8192, seq=32, optimizer="sgd", grad_accum=2))
     add("FSDP2 ZeRO-3 x TP2 bf16, tied head", dict(TT, precision="bf16", gpus=4, zero=3))
+    # torch's uneven interleaved chunks (torchtitan's split over pp*vpp virtual stages, params.chunk_layers)
+    add("PP2 interleaved vpp 2 bf16 AMP, 5 layers (chunks 1, 2, 1, 1), m = pp", dict(IW, layers=5, grad_accum=2))
+    add("PP2 interleaved vpp 2 bf16 SGD, 6 layers (1, 2, 2, 1), weight-heavy, m = pp", dict(
+        IW, layers=6, grad_accum=2, seq=32, vocab=256, optimizer="sgd"))
+    add("PP2 interleaved vpp 2 bf16 AMP, 7 layers (1, 2, 2, 2), full recompute, m 4", dict(
+        IW, layers=7, grad_accum=4, recompute="full"))
+    add("PP2 interleaved vpp 2 x FSDP2 ZeRO-3 bf16, 7 layers, m 4", dict(IW, layers=7, gpus=4, zero=3, grad_accum=4))
     return c
 
 

@@ -867,6 +867,28 @@ def test_torch_one_round_interleaved_later_backward_finds_only_the_last_chunk_gr
     assert stage_activations(run(4), 1).backward_late_chunk_layer_bytes < 0  # (_NEVER)
 
 
+def test_torch_splits_interleaved_chunks_unevenly_as_torchtitan():
+    """torchtitan splits L over the pp*vpp virtual stages as over pp (`generate_split_points`: L // n, one more on
+    stages 1..L % n): Llama 3.1 405B's 126 layers over pp 8 x vpp 2 = 16 are 7, 8 x 14, 7, so rank 0 holds global
+    stages 0 and 8 (7 + 8 = 15 layers), rank 1 stages 1 and 9 (16), rank 7 stages 7 and 15 (8 + 7 = 15), 126 in
+    all. Of rank 0's first 9 chunk forwards (groups of g = 8 micro-batches per chunk: 8 of chunk 0, then 1 of
+    chunk 1) the 8-layer chunk 1 ran 1."""
+    from memcalc.cost.params import chunk_forwards, chunk_layers, chunk_split, stage_layers
+    from memcalc.options import RunOptions, build_run
+
+    r = build_run(RunOptions(model="llama-3.1-405b", gpus=512, tp=8, pp=8, vpp=2, grad_accum=8))
+    assert [int(stage_layers(r, s)) for s in range(8)] == [15, 16, 16, 16, 16, 16, 16, 15]
+    assert [int(chunk_layers(r, 0, k)) for k in (0, 1)] == [7, 8] and [int(chunk_layers(r, 7, k)) for k in (0, 1)] == [8, 7]
+    base, k_lo, k_hi = chunk_split(r, 0)
+    assert (base, int(k_lo), int(k_hi)) == (7, 1, 1)
+    assert int(chunk_forwards(r, 0, 9, k_lo, k_hi)) == 1 and int(chunk_forwards(r, 0, 16, k_lo, k_hi)) == 8
+    # other profiles keep whole chunks
+    from memcalc.errors import InputError
+
+    with pytest.raises(InputError, match="divisible by pp\\*vpp = 16"):
+        build_run(RunOptions(model="llama-3.1-405b", gpus=512, tp=8, pp=8, vpp=2, profile="megatron"))
+
+
 def test_torch_1f1b_keeps_its_last_send_ops_and_a_warm_up_send():
     """torch's Schedule1F1B (PP2, m 4, 4 layers, fp32; one stream tensor 64 x 64 x 4 = 16,384 B). Stage 1 (the last;
     w = 1 warm-up forward): its `bwd_sends` list keeps the previous backward's input gradient through the next

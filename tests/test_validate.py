@@ -424,3 +424,20 @@ def test_tp_with_a_tied_head(case):
     _, rep = _v(**{"hidden": 64, "heads": 4, "ffn": 176, "vocab": 512, "seq": 64, "tied_embeddings": True,
                    "gpus": 2, "tp": 2, **TIED_TP[case]})
     assert abs(rep["error"]) <= 0.0005, rep["error"]
+
+
+# torch's uneven interleaved chunks (torchtitan's split over pp*vpp virtual stages, params.chunk_layers): PP2 x
+# vpp 2 of 5, 6 or 7 layers puts 1 or 2 layers in a chunk; rank 1 holds the larger chunk first where L is 5 or 6
+UNEVEN = {
+    "5 layers, m = pp": dict(layers=5, grad_accum=2),
+    "6 layers, SGD, weight-heavy, m = pp": dict(layers=6, grad_accum=2, seq=32, vocab=256, optimizer="sgd"),
+    "7 layers, full recompute, m 4": dict(layers=7, grad_accum=4, recompute="full"),
+    "5 layers x FSDP2 ZeRO-2, m = pp": dict(layers=5, gpus=4, zero=2, grad_accum=2),
+    "7 layers x FSDP2 ZeRO-3, m 4": dict(layers=7, gpus=4, zero=3, grad_accum=4),
+}
+
+
+@pytest.mark.parametrize("case", list(UNEVEN))
+def test_interleaved_uneven_chunks(case):
+    _, rep = _v(**{**INTERLEAVED_WIDE_HEAD, **UNEVEN[case]})
+    assert abs(rep["error"]) <= 0.0005, rep["error"]

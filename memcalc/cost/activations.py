@@ -24,6 +24,9 @@ from typing import Any
 
 from memcalc.cost.params import (
     cast_grad_elems,
+    chunk_forwards,
+    chunk_layers,
+    chunk_split,
     dense_layer_run,
     first_backward_grad_elems,
     first_dense_layers,
@@ -1802,8 +1805,9 @@ def _later_backward_end(run: Run, stage: Num, others: Num, sent: Num, first_back
     # under torch TP the embedding's dense gradient is replicated at V x h (row 148)
     word = word_embedding_elems(run) + replicated_embedding_grad(run, stage)[0]
     waiting = c * cast_grad_elems(run, stage)
-    if run.schedule == "interleaved":
-        waiting = (waiting - c * head) // run.vpp + (0 if first_chunk else c * head)
+    if run.schedule == "interleaved":  # (the ending chunk's layers' share of the stage's)
+        here = chunk_layers(run, stage, 0 if first_chunk else run.vpp - 1)
+        waiting = (waiting - c * head) * here // imax(stage_layers(run, stage), 1) + (0 if first_chunk else c * head)
     newest = p * (down if first_chunk else where(head > 0, head, down))
     grad_in = _residual_grad_bytes(run)
     # the embedding's output gradient: under torch SP all-gathered to the whole sequence (the backward of its
@@ -1879,15 +1883,16 @@ def _interleaved_own(run: Run, stage: Num, s_h: Num, last_saved: Num) -> tuple[N
     return own_last, own_first
 
 
-def _interleaved_later_end(run: Run, stage: Num, others_all: Num, j_star: Num, s_h: Num, last_saved: Num,
-                           upper: Num) -> Num:
+def _interleaved_later_end(run: Run, stage: Num, held: Num, unit_bytes: tuple[Num, Num], j_star: Num, s_h: Num,
+                           last_saved: Num, upper: Num) -> Num:
     """torch's interleaved schedule: the end of the steady state's last backward of the last chunk and of the
     first chunk (`_later_backward_end`; the first chunk's on the first stage makes the embedding's gradient, the
     last chunk's on the last stage waits for the head's cast), each at the latest backward of that chunk up to
     the steady state's last (j_star), so with as many chunks held and the sends of the backwards before it. The
     ending chunk's own terms (its output, rotary tables, the first stage's input terms or the last stage's loss
-    terms, less the receive buffer its input is) are not among the others (`others_all`: held less one chunk's
-    layers). `upper` (the bound with the last chunk's casts at j_star) where the moment does not occur."""
+    terms, less the receive buffer its input is) are not among the others (`held` less the ending chunk's
+    layers: `unit_bytes` of the last chunk and of the first). `upper` (the bound with the last chunk's casts at
+    j_star) where the moment does not occur."""
     v, gr = run.vpp, interleave_group(run)
     own_last, own_first = _interleaved_own(run, stage, s_h, last_saved)
     # the latest backward of each kind at or before j_star (chunk of backward j: v-1 - (j // gr) mod v)
@@ -1895,8 +1900,9 @@ def _interleaved_later_end(run: Run, stage: Num, others_all: Num, j_star: Num, s
     pos = j_star - base
     j_last = where(pos < gr, j_star, base + gr - 1)
     j_first = where(pos >= (v - 1) * gr, j_star, base - 1)
-    end_last, _ = _later_backward_end(run, stage, others_all - own_last, _interleaved_sent(run, stage, j_last, s_h))
-    end_first, _ = _later_backward_end(run, stage, others_all - own_first,
+    end_last, _ = _later_backward_end(run, stage, held - unit_bytes[0] - own_last,
+                                      _interleaved_sent(run, stage, j_last, s_h))
+    end_first, _ = _later_backward_end(run, stage, held - unit_bytes[1] - own_first,
                                        _interleaved_sent(run, stage, j_first, s_h), first_chunk=True)
     exact = imax(where(j_last >= 1, end_last, _NEVER), where(j_first >= 1, end_first, _NEVER))
     return where(exact > _NEVER, exact, upper)
@@ -1940,6 +1946,17 @@ def _late_chunk_moments(run: Run, stage: Num, units: Num, unit_bytes: Num, one_l
     return where(occurs, layer, _NEVER), where(occurs, post, _NEVER), where(occurs, end, _NEVER)
 
 
+def _one_more_layer(mode: str, k: int | None, layers: Num) -> tuple[Num, Num]:
+    """(plain, checkpointed) layers that one more layer adds to a unit of `layers` under the recompute mode and
+    `--recompute-layers` K (the first K of a unit are checkpointed)."""
+    if mode == "none":
+        return 1, 0
+    if k is None:
+        return 0, 1
+    more = where(layers + 1 <= k, 1, 0)  # (a unit of min(K, layers + 1) checkpointed layers)
+    return 1 - more, more
+
+
 def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     """Activations of one rank of pipeline stage `stage` (int or numpy array)."""
     m = run.model
@@ -1947,9 +1964,16 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     mode = tr.recompute
     pp = run.pp
     units = in_flight(run, stage)
+    corr = 0  # interleaved chunks of two sizes: in-flight units' layers beyond `units` x the representative's
+    c_first = base = 0
     if run.schedule == "interleaved":
         v = run.vpp
-        unit_layers = m.layers // (pp * v)  # resolve() checks pp*vpp | L
+        # the chunk the step's backwards start with stands for a unit (torch's split may give the rank's chunks
+        # L // (pp*v) or one more layer, params.chunk_layers; resolve() has pp*vpp | L for the other profiles)
+        unit_layers = chunk_layers(run, stage, v - 1)
+        c_first = chunk_layers(run, stage, 0)
+        base, k_lo, k_hi = chunk_split(run, stage)
+        corr = chunk_forwards(run, stage, units, k_lo, k_hi) - where(unit_layers > base, units, 0)
         total_units = run.grad_accum * v
         # Megatron runs forwards in groups of pp micro-batches per model chunk (chunk id of the k-th forward:
         # (k mod pp*v) // pp; schedules.py get_model_chunk_id; torch in groups of `interleave_group`): of the
@@ -1974,12 +1998,14 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     else:
         ck = imin(tr.recompute_layers, unit_layers)
     plain_layers = unit_layers - ck
+    # (a chunk of one layer more than the representative's: d_plain more plain and d_ck more checkpointed layers)
+    d_plain, d_ck = _one_more_layer(mode, tr.recompute_layers, base)
 
     plain = layer_terms(run, "none")
     ck_terms = plain  # a checkpointed layer's saved set (below)
     detail: dict[str, Num] = {}
     plain_bytes = 0
-    mult = plain_layers * units
+    mult = plain_layers * units + d_plain * corr
     for key, v in plain.items():
         detail[key] = v * mult
         plain_bytes = plain_bytes + v
@@ -1991,7 +2017,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         kept = layer_terms(run, mode)
         ck_terms = kept
         kept_bytes = 0
-        mult = ck * units
+        mult = ck * units + d_ck * corr
         for key, v in kept.items():
             detail[key] = detail.get(key, 0) + v * mult
             kept_bytes = kept_bytes + v
@@ -2000,6 +2026,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         # after the unit's plain layers of this micro-batch have freed their activations (offloaded: they were
         # never all resident, the window below stands for them)
         remat = where(ck > 0, _remat_net(mode, plain, kept_bytes) - (0 if off else plain_layers * plain_bytes), 0)
+    one_more = d_plain * plain_bytes + d_ck * kept_bytes  # what one more layer adds to a unit
+    first_unit = unit_bytes + (c_first - unit_layers) * one_more  # interleaved: a unit of the rank's first chunk
     # an MoE model's first dense layers (MoESpec.first_dense_layers) on this stage: the stage's first layers, so
     # checkpointed first (block method); their saved sets replace MoE ones. Interleaved: counted as MoE layers.
     dense_at = _NEVER  # a dense layer's backward moment, relative to everything held (its MoE layers freed)
@@ -2035,8 +2063,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     first = stage == 0
     last = stage == pp - 1
     extra = 0  # per micro-batch (non-interleaved): what one backward frees besides the layers
-    host = units * unit_bytes if off else 0  # the layers' saved sets of every unit in flight, in host memory
-    held = units * unit_bytes - host
+    layers_held = units * unit_bytes + corr * one_more
+    host = layers_held if off else 0  # the layers' saved sets of every unit in flight, in host memory
+    held = layers_held - host
     for key, x in first_stage_terms(run).items():
         x = where(first, x, 0)
         detail[key] = x * n_first
@@ -2131,7 +2160,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     later_end, cast_grads = (_later_backward_end(run, stage, held_later - freed - own, sent) if not off
                              else (_NEVER, 0))
     if run.profile == "torch" and run.schedule == "interleaved" and not off:
-        later_end = _interleaved_later_end(run, stage, held_later - freed, j_star, s_h, last_saved, later_end)
+        later_end = _interleaved_later_end(run, stage, held_later, (freed, first_unit), j_star, s_h, last_saved,
+                                           later_end)
     if run.profile == "torch" and run.zero >= 2 and not off:
         # torch pipelining over FSDP2: the first backward's end holds the other micro-batches in flight too, with the
         # same accumulated gradients and unsharded units as a later one's (`_later_backward_end`)
@@ -2278,7 +2308,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         graph_held = unit_held - where(first & first_kept, _graph_held_first_layer_fix(run, plain), 0) + head_held
     detail["graph_held_inputs_transient"] = graph_held
     post = base_bwd - one_layer + w_prev + _residual_grad_bytes(run)
-    late = _late_chunk_moments(run, stage, units, unit_bytes, one_layer, s_h, dw=(late_dw, later_dw, piped_dw),
+    late = _late_chunk_moments(run, stage, units, first_unit, first_unit // imax(c_first, 1), s_h,
+                               dw=(late_dw, later_dw, piped_dw),
                                at_layer=(mode, plain, remat, dense_at, re_run)) if not off else (_NEVER,) * 3
     return StageActivations(
         held_bytes=held + w_last,

@@ -25,6 +25,7 @@ import dataclasses
 from typing import Any
 
 from memcalc.cost.params import (
+    chunk_layers,
     embedding_params,
     after_core_layer_elems,
     first_backward_grad_elems,
@@ -490,7 +491,8 @@ def pipelined_fsdp_later_chunks_bytes(run: Run, stage: Num) -> Num:
     cb = DTYPE_BYTES[run.recipe.compute_dtype]
     layer_flat, root_flat = _fsdp_flat_units(run, stage)
     last = stage == run.pp - 1
-    layers = (run.vpp - 1) * (run.model.layers // (run.pp * run.vpp)) if run.zero == 2 else 0
+    later = stage_layers(run, stage) - chunk_layers(run, stage, 0)  # (the chunks but the first)
+    layers = later if run.zero == 2 else 0
     return where(pipelined_fsdp(run) == 1, cb * (layers * layer_flat + where(last, root_flat, 0)), 0)
 
 

@@ -272,10 +272,11 @@ def _ddp_allreduce(run: Run, stage: Num, n: Num, seg: list[tuple[Num, Num]], gra
     scale = m.params_override is not None and run.training.lora_rank is None
     num, den = (m.params_override, shape_params(m)) if scale else (1, 1)
 
-    def layout(tp: int, pp: int, st: int) -> tuple[int, ...]:
-        return _ddp_bucket_layout(grad_ready_elems(run.replace(tp=tp, pp=pp), st), num, den, gb, first, cap)
+    def layout(tp: int, pp: int, vpp: int, st: int) -> tuple[int, ...]:
+        return _ddp_bucket_layout(grad_ready_elems(run.replace(tp=tp, pp=pp, vpp=vpp), st), num, den, gb, first,
+                                  cap)
 
-    last, *pairs = per_value_tuple(layout, run.tp, run.pp, stage)
+    last, *pairs = per_value_tuple(layout, run.tp, run.pp, run.vpp, stage)
     dtype = run.recipe.grad_dtype
     out = [_term(run, "all-reduce", "dp", dtype, n, s, c * one, seg, window="bwd_last",
                  note=f"{pre}: {note}, one DDP bucket a call (buckets filled in gradient-ready order to "

@@ -189,12 +189,49 @@ def shape_params(m: ModelSpec) -> int:
 def stage_layers(run: Run, stage: Num, n_stages: Num | None = None) -> Num:
     """Layers on pipeline stage `stage` (0-based), as the profile's framework splits L over pp stages (or
     `n_stages`: the harness's pp*vpp model chunks) when they do not divide it: `stage_first_layer(stage + 1) -
-    stage_first_layer(stage)`, which is L // pp plus one on stages 1..L % pp (torch) or 0..L % pp - 1 (others)."""
+    stage_first_layer(stage)`, which is L // pp plus one on stages 1..L % pp (torch) or 0..L % pp - 1 (others).
+    Interleaved under the torch profile: the rank's model chunks together (`chunk_layers`), which torchtitan
+    splits over the pp*vpp virtual stages the same way (126 layers over 16: 7, 8 x 14, 7)."""
+    if n_stages is None and run.schedule == "interleaved" and run.profile == "torch":
+        base, k_lo, k_hi = chunk_split(run, stage)
+        return run.vpp * base + imax(k_hi - k_lo + 1, 0)
     n = run.pp if n_stages is None else n_stages
     base, extra = run.model.layers // n, run.model.layers % n
     if run.profile == "torch":
         return base + where((stage >= 1) & (stage <= extra), 1, 0)
     return base + where(stage < extra, 1, 0)
+
+
+def chunk_split(run: Run, stage: Num) -> tuple[Num, Num, Num]:
+    """Interleaved, torch's split of L over pp*vpp virtual stages (`stage_layers`): (L // (pp*vpp), and the range
+    k_lo..k_hi of this rank's chunks k (global stage stage + k*pp) that hold one layer more: those on global stages
+    1..L % (pp*vpp); empty where k_hi < k_lo, always when pp*vpp divides L)."""
+    n = run.pp * run.vpp
+    base, extra = run.model.layers // n, run.model.layers % n
+    k_lo = where(stage >= 1, 0, 1)
+    k_hi = imin((extra - stage) // run.pp, run.vpp - 1)
+    return base, k_lo + 0 * stage, where(extra - stage >= 0, k_hi, -1)
+
+
+def chunk_layers(run: Run, stage: Num, k: Num) -> Num:
+    """Interleaved: layers of this rank's k-th model chunk (global stage stage + k*pp of pp*vpp)."""
+    base, k_lo, k_hi = chunk_split(run, stage)
+    return base + where((k >= k_lo) & (k <= k_hi), 1, 0)
+
+
+def chunk_forwards(run: Run, stage: Num, units: Num, k_lo: Num, k_hi: Num) -> Num:
+    """Interleaved: of the first `units` chunk forwards, those of chunks k_lo..k_hi (the k-th forward runs chunk
+    (k // g) mod vpp, g = `activations.interleave_group`: groups of g micro-batches per chunk)."""
+    from memcalc.cost.activations import interleave_group
+
+    v = run.vpp
+    g = interleave_group(run)
+    groups = units // (g * v)
+    rem = units - groups * g * v
+    q, r = rem // g, rem % g  # of this round: chunks < q ran g forwards, chunk q ran r
+    n_k = imax(k_hi - k_lo + 1, 0)
+    full = imax(imin(k_hi, q - 1) - k_lo + 1, 0)
+    return groups * g * n_k + g * full + where((q >= k_lo) & (q <= k_hi), r, 0)
 
 
 def stage_params(run: Run, stage: Num) -> tuple[Num, Num]:
@@ -373,15 +410,16 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
                       frozen)
 
 
-def early_chunks_trainable(run: Run, stage: Num, chunks: Num | None = None) -> Num:
-    """Interleaved schedule: trainable elements of the stage's first `chunks` model chunks (each L/(pp*vpp)
-    layers; chunk 0 of stage 0 holds the embedding), by default all but its last, i.e. the gradients a later
+def early_chunks_trainable(run: Run, stage: Num, chunks: int | None = None) -> Num:
+    """Interleaved schedule: trainable elements of the stage's first model chunk (`chunks` = 1; chunk 0 of stage 0
+    holds the embedding), by default of all but its last, i.e. the gradients a later
     backward of the last chunk does not find made in a one-round step (activations `interleave_rounds`). 0 without
     interleaving. A --freeze'd first layers' share is not taken out (at most the trainable elements)."""
     if run.schedule != "interleaved":
         return 0 * stage
     m, t = run.model, run.training
-    layers = (run.vpp - 1 if chunks is None else chunks) * (m.layers // (run.pp * run.vpp))
+    layers = (stage_layers(run, stage) - chunk_layers(run, stage, run.vpp - 1) if chunks is None
+              else chunk_layers(run, stage, 0))  # (chunks: 1, the first)
     if t.lora_rank is not None:
         return layers * lora_layer_params(m, t.lora_targets, t.lora_rank, run.tp) + 0 * stage
     dense_l, expert_l = layer_params(m, run.tp, run.ep)
@@ -683,9 +721,9 @@ def _greedy_partition(sizes: tuple[tuple[int, int, int], ...], ranks: int) -> tu
     return best, local.index(best)
 
 
-def _zero1_sizes(run: Run, tp: int, pp: int, stage: int) -> tuple[tuple[int, int, int], ...]:
-    local = stage_tensor_shapes(dataclasses.replace(run, tp=tp, pp=pp), stage)
-    glob = stage_tensor_shapes(dataclasses.replace(run, tp=1, pp=pp), stage)
+def _zero1_sizes(run: Run, tp: int, pp: int, vpp: int, stage: int) -> tuple[tuple[int, int, int], ...]:
+    local = stage_tensor_shapes(dataclasses.replace(run, tp=tp, pp=pp, vpp=vpp), stage)
+    glob = stage_tensor_shapes(dataclasses.replace(run, tp=1, pp=pp, vpp=vpp), stage)
     counts: dict[tuple[int, int], int] = {}
     for (g0, grow, c), (l0, lrow, _) in zip(glob, local, strict=True):
         if c:
@@ -700,19 +738,19 @@ def zero1_rank_elems(run: Run, stage: Num) -> Num:
     """Elements stepped by the most loaded rank under ZeroRedundancyOptimizer (torch/distributed/optim/
     zero_redundancy_optimizer.py `_partition_parameters`, greedy largest-first), not P/N: whole tensors, so a
     rank that holds the embedding holds at least V*h/t."""
-    memo: dict[tuple[int, int, int], tuple[tuple[int, int, int], ...]] = {}
+    memo: dict[tuple[int, int, int, int], tuple[tuple[int, int, int], ...]] = {}
 
-    def worst(d: int, tp: int, pp: int, st: int) -> int:
-        key = (tp, pp, st)
+    def worst(d: int, tp: int, pp: int, vpp: int, st: int) -> int:
+        key = (tp, pp, vpp, st)  # (vpp: a stage's layers, torch's uneven interleaved chunks)
         if key not in memo:
-            memo[key] = _zero1_sizes(run, tp, pp, st)
+            memo[key] = _zero1_sizes(run, tp, pp, vpp, st)
         return _greedy_partition(memo[key], d)[0]
 
-    return per_value(worst, run.shard_degree, run.tp, run.pp, stage)
+    return per_value(worst, run.shard_degree, run.tp, run.pp, run.vpp, stage)
 
 
 def zero1_worst_dp_index(run: Run, stage: int) -> int:
     """The data-parallel index of the most loaded ZeroRedundancyOptimizer rank (0 when the partition is P/N)."""
     if not zero1_partition_applies(run) or run.shard_degree <= 1:
         return 0
-    return _greedy_partition(_zero1_sizes(run, run.tp, run.pp, stage), run.shard_degree)[1]
+    return _greedy_partition(_zero1_sizes(run, run.tp, run.pp, run.vpp, stage), run.shard_degree)[1]

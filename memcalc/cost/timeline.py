@@ -42,6 +42,7 @@ from memcalc.cost.buffers import (
     stage_buffers,
 )
 from memcalc.cost.params import (
+    chunk_layers,
     early_chunks_trainable,
     first_attention_grad_elems,
     first_backward_grad_elems,
@@ -49,6 +50,7 @@ from memcalc.cost.params import (
     layer_params,
     lora_first_grad_elems,
     pipelined_fsdp,
+    stage_layers,
     stage_param_split,
     stage_params,
 )
@@ -253,12 +255,13 @@ def _layer_shares(run: Run, stage: Num) -> _Shares:
     cool_down = where((pipelined_fsdp(run) == 1) & (stage < run.pp - 1), 1, 0) \
         if run.schedule != "gpipe" and run.zero >= 3 else 0 * warm
     one_round = (run.profile == "torch") & (interleave_rounds(run) == 1)
-    n_chunk = run.model.layers // (run.pp * run.vpp)  # (interleaved: layers of a model chunk)
+    # (interleaved: the layers of the chunks but the last)
+    others = stage_layers(run, stage) - chunk_layers(run, stage, run.vpp - 1) if run.schedule == "interleaved" else 0
     early = where(one_round, early_chunks_trainable(run, stage), 0)
     not_yet = (early, imax(stage_param_split(run, stage).trainable, 1),
                where(one_round, early_chunks_trainable(run, stage, 1), 0),
                where(one_round, pipelined_fsdp_later_chunks_bytes(run, stage), 0),
-               where(one_round | (acc == 0), 0, (run.vpp - 1) * n_chunk * unit)
+               where(one_round | (acc == 0), 0, others * unit)
                if run.schedule == "interleaved" and run.zero >= 3 else 0 * acc)
     return (dense_l + expert_l, imax(dense_s + expert_s, 1), freed, fsdp_root_shard_grad_bytes(run, stage), acc,
             regather, later_regathers, cool_down, not_yet)
