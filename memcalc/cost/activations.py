@@ -1932,7 +1932,8 @@ def _late_chunk_moments(run: Run, stage: Num, units: Num, unit_bytes: Num, one_l
     n_k = imin(units, mm * v - j)
     ev = every_stage_terms(run, stage)
     u0 = (unit_bytes + where(first, sum(first_stage_terms(run).values()), 0) - where(first, 0, s_h)
-          + sum(x for key, x in ev.items() if key != "pipeline_output") + where(last, s_h, ev.get("pipeline_output", 0)))
+          + sum(x for key, x in ev.items() if key != "pipeline_output")
+          + where(last, s_h, ev.get("pipeline_output", 0)))
     held_k = n_k * u0
     sent_k = s_h * ((j - where(last, mm, 0)) + (j - where(first, 1, 0)))
     grad_in = _residual_grad_bytes(run)

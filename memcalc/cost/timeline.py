@@ -235,10 +235,11 @@ def _layer_shares(run: Run, stage: Num) -> _Shares:
     where 1F1B's cool-down has such a backward that follows a backward (torch pipelining over ZeRO-3, every stage
     but the last), 0 elsewhere; and torch's one-round interleaved step (`interleave_rounds`): the trainable
     elements of the stage's chunks but the last (whose gradients the last chunk's later backwards precede), of the
-    stage, and of its first chunk, and the bytes of `buffers.pipelined_fsdp_later_chunks_bytes` ((0, trainable, 0,
-    0) elsewhere); and over ZeRO-3 in a step of more rounds, the other chunks' layers, gathered by their last
-    backward (no reshard after a pipelined backward) and not yet by a forward when a later round's backward runs
-    (torch's order pairs each forward with a backward of another chunk; an upper bound beyond two chunks)."""
+    stage, and of its first chunk, and the bytes of `buffers.pipelined_fsdp_later_chunks_bytes` (0 but the stage's
+    trainable elements elsewhere); and over ZeRO-3 in a step of more rounds, the bytes of the other chunks'
+    layers, gathered by their last backward (no reshard after a pipelined backward) and not yet by a forward when a
+    later round's backward runs (torch's order pairs each forward with a backward of another chunk; an upper bound
+    beyond two chunks)."""
     dense_l, expert_l = layer_params(run.model, run.tp, run.ep)
     dense_s, expert_s = stage_params(run, stage)
     freed = fsdp_backward_release_bytes(run, stage) + amp_layer_casts_freed(run)
@@ -329,8 +330,9 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     piped = pipelined_fsdp(run) == 1
     # (torch's one-round interleaved step: every forward after a backward is the last chunk's, and only its
     # gradients are made, `_layer_shares`)
+    not_yet = shares[8]
     made = where(piped, acc, grads)
-    made = made - muldiv(made, shares[8][0], shares[8][1])
+    made = made - muldiv(made, not_yet[0], not_yet[1])
     later_fwd_g = fwd_grads if first_step else where(forwards > act.in_flight, imax(made, fwd_grads), fwd_grads)
     # forward: the loss (every saved activation + the logits and their fp32 upcast) or, just before it, the
     # LM head matmul (FSDP2 still holds the last unit's all-gather output there)
@@ -360,7 +362,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # (fewer or as many activations, all gradients allocated), and the end of backward (FSDP2's root reduce)
     # (torch's one-round interleaved step: a later backward of the last chunk precedes every earlier chunk's, whose
     # gradients are not made yet, `_layer_shares`; the step's other later backwards hold fewer chunks)
-    layer_elems, stage_elems, rel, root_shard, _, copy_in, later_regathers, cool_down, not_yet = shares
+    layer_elems, stage_elems, rel, root_shard, _, copy_in, later_regathers, cool_down, _ = shares
     if s.grads_persistent:
         first_g, layer_g, attn_g, all_g, later_g = grads, grads, grads, grads, grads
         later_act = act.backward_first_bytes
