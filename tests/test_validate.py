@@ -421,8 +421,10 @@ TIED_TP = {
 
 @pytest.mark.parametrize("case", list(TIED_TP))
 def test_tp_with_a_tied_head(case):
-    _, rep = _v(**{"hidden": 64, "heads": 4, "ffn": 176, "vocab": 512, "seq": 64, "tied_embeddings": True,
-                   "gpus": 2, "tp": 2, **TIED_TP[case]})
+    # one rank of a fake process group: a real gloo world's worker thread moves small buffers' lifetimes by up to
+    # ~10 KB from run to run (0.12% of the weight-heavy case once), the fake one is the same every run
+    _, rep = _v(world="fake", **{"hidden": 64, "heads": 4, "ffn": 176, "vocab": 512, "seq": 64,
+                                 "tied_embeddings": True, "gpus": 2, "tp": 2, **TIED_TP[case]})
     assert abs(rep["error"]) <= 0.0005, rep["error"]
 
 
