@@ -477,7 +477,7 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         dict(TQ, lora_targets="qv", recompute="full"))
     add("QLoRA nf4 torchao r=4 all, no recompute, fp32 norms: the down projection's dequantization",
         dict(TQ, lora_targets="all", norm_impl="fp32"))
-    # torch's interleaved schedule in one round (m < 2 pp, activations.interleave_rounds): every chunk's backwards
+    # torch's interleaved schedule in one round (m < 2 pp, params.interleave_rounds): every chunk's backwards
     # follow all of the later chunks' (tests/test_validate.py ONE_ROUND, INTERLEAVED_FSDP)
     IW = dict(layers=4, hidden=512, heads=8, kv_heads=2, ffn=1024, vocab=8192, seq=256, precision="bf16", gpus=2,
               pp=2, vpp=2, schedule="interleaved")

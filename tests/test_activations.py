@@ -828,7 +828,8 @@ def test_torch_interleaved_rounds_and_warm_up():
     m 2: g 2, one round; rank 1: 2 + 0 + 1 = 3 chunks (Megatron: all 4); rank 0: min(2 + 2 + 1, 4) = 4.
     m 3: g 3 (torch's flexible rounds), one round; rank 1: 3 + 1 = 4 of 6.
     m 6: g 2, three rounds; rank 1: 2 + 1 = 3."""
-    from memcalc.cost.activations import in_flight, interleave_group, interleave_rounds
+    from memcalc.cost.activations import in_flight
+    from memcalc.cost.params import interleave_group, interleave_rounds
     from memcalc.options import RunOptions, build_run
 
     def run(m: int, profile: str = "torch"):

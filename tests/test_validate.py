@@ -344,7 +344,7 @@ def test_interleaved_last_stage_with_a_wide_vocabulary(ga):
     assert abs(rep["error"]) <= 0.0005, rep["error"]
 
 
-# torch's ScheduleInterleaved1F1B in one round (m < 2 pp: `activations.interleave_rounds`), where every chunk's
+# torch's ScheduleInterleaved1F1B in one round (m < 2 pp: `params.interleave_rounds`), where every chunk's
 # backwards follow all of the later chunks'. Each was measured off before the round was modelled (in brackets).
 ONE_ROUND = {
     # B s3 m1 runs before B s1 m0: only the loss chunk's gradients exist at the later loss gradient, and torch's

@@ -32,6 +32,8 @@ from memcalc.cost.params import (
     first_dense_layers,
     fsdp_sharded,
     head_params,
+    interleave_group,
+    interleave_rounds,
     layer_params,
     mlp_width,
     padded_vocab,
@@ -971,22 +973,6 @@ def _saved_after_exchange(terms: dict[str, Num]) -> Num:
     return total
 
 
-def interleave_group(run: Run) -> Num:
-    """Micro-batches per model chunk in a row of the interleaved schedule: Megatron runs them in groups of pp
-    (schedules.py `get_model_chunk_id`); torch's ScheduleInterleaved1F1B in rounds of m // max(1, m // pp)
-    (`microbatches_per_round`; m a multiple of the rounds, any m >= 1), which is pp where pp divides m."""
-    if run.profile == "torch":
-        return run.grad_accum // imax(run.grad_accum // run.pp, 1)
-    return run.pp
-
-
-def interleave_rounds(run: Run) -> Num:
-    """Rounds of the interleaved schedule: m // `interleave_group`. In one round every model chunk's backwards
-    follow all of the later chunks' (the loss chunk's first), so a later backward of the last chunk finds only
-    that chunk's gradients made."""
-    return imax(run.grad_accum // interleave_group(run), 1)
-
-
 def in_flight(run: Run, stage: Num) -> Num:
     """Units of activations held by `stage` at the start of its first backward: micro-batches (1F1B, GPipe) or
     model chunks of L/(pp*vpp) layers (interleaved)."""
@@ -1884,15 +1870,17 @@ def _interleaved_own(run: Run, stage: Num, s_h: Num, last_saved: Num) -> tuple[N
 
 
 def _interleaved_later_end(run: Run, stage: Num, held: Num, unit_bytes: tuple[Num, Num], j_star: Num, s_h: Num,
-                           last_saved: Num, upper: Num) -> Num:
+                           last_saved: Num) -> tuple[Num, Num]:
     """torch's interleaved schedule: the end of the steady state's last backward of the last chunk and of the
     first chunk (`_later_backward_end`; the first chunk's on the first stage makes the embedding's gradient, the
     last chunk's on the last stage waits for the head's cast), each at the latest backward of that chunk up to
     the steady state's last (j_star), so with as many chunks held and the sends of the backwards before it. The
     ending chunk's own terms (its output, rotary tables, the first stage's input terms or the last stage's loss
     terms, less the receive buffer its input is) are not among the others (`held` less the ending chunk's
-    layers: `unit_bytes` of the last chunk and of the first). `upper` (the bound with the last chunk's casts at
-    j_star) where the moment does not occur."""
+    layers: `unit_bytes` of the last chunk and of the first). Returns `_later_backward_end`'s pair, the moment the
+    higher of the two (_NEVER where neither occurs: one micro-batch, whose later moments do not exist), the
+    weight gradients' part the last chunk's. With m >= 2 a round has g >= 2 micro-batches, so the last chunk's
+    latest backward is a later one."""
     v, gr = run.vpp, interleave_group(run)
     own_last, own_first = _interleaved_own(run, stage, s_h, last_saved)
     # the latest backward of each kind at or before j_star (chunk of backward j: v-1 - (j // gr) mod v)
@@ -1900,12 +1888,11 @@ def _interleaved_later_end(run: Run, stage: Num, held: Num, unit_bytes: tuple[Nu
     pos = j_star - base
     j_last = where(pos < gr, j_star, base + gr - 1)
     j_first = where(pos >= (v - 1) * gr, j_star, base - 1)
-    end_last, _ = _later_backward_end(run, stage, held - unit_bytes[0] - own_last,
-                                      _interleaved_sent(run, stage, j_last, s_h))
+    end_last, cast_grads = _later_backward_end(run, stage, held - unit_bytes[0] - own_last,
+                                               _interleaved_sent(run, stage, j_last, s_h))
     end_first, _ = _later_backward_end(run, stage, held - unit_bytes[1] - own_first,
                                        _interleaved_sent(run, stage, j_first, s_h), first_chunk=True)
-    exact = imax(where(j_last >= 1, end_last, _NEVER), where(j_first >= 1, end_first, _NEVER))
-    return where(exact > _NEVER, exact, upper)
+    return imax(where(j_last >= 1, end_last, _NEVER), where(j_first >= 1, end_first, _NEVER)), cast_grads
 
 
 def _late_chunk_moments(run: Run, stage: Num, units: Num, unit_bytes: Num, one_layer: Num, s_h: Num,
@@ -1947,15 +1934,12 @@ def _late_chunk_moments(run: Run, stage: Num, units: Num, unit_bytes: Num, one_l
     return where(occurs, layer, _NEVER), where(occurs, post, _NEVER), where(occurs, end, _NEVER)
 
 
-def _one_more_layer(mode: str, k: int | None, layers: Num) -> tuple[Num, Num]:
-    """(plain, checkpointed) layers that one more layer adds to a unit of `layers` under the recompute mode and
-    `--recompute-layers` K (the first K of a unit are checkpointed)."""
+def _checkpointed(mode: str, k: int | None, layers: Num) -> Num:
+    """Checkpointed layers of a unit of `layers`: `--recompute-layers` K per stage (per model chunk when
+    interleaved), the first K (Megatron --recompute-method block); K None = all; none without recompute."""
     if mode == "none":
-        return 1, 0
-    if k is None:
-        return 0, 1
-    more = where(layers + 1 <= k, 1, 0)  # (a unit of min(K, layers + 1) checkpointed layers)
-    return 1 - more, more
+        return 0 * layers
+    return layers if k is None else imin(k, layers)
 
 
 def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
@@ -1990,17 +1974,11 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         unit_layers = stage_layers(run, stage)
         total_units = run.grad_accum
         n_first = n_last = n_every = units
-    # checkpointed layers per unit: `recompute_layers` K per stage (per model chunk when interleaved), the
-    # first K (Megatron --recompute-method block); None = all
-    if mode == "none":
-        ck = 0
-    elif tr.recompute_layers is None:
-        ck = unit_layers
-    else:
-        ck = imin(tr.recompute_layers, unit_layers)
+    ck = _checkpointed(mode, tr.recompute_layers, unit_layers)
     plain_layers = unit_layers - ck
-    # (a chunk of one layer more than the representative's: d_plain more plain and d_ck more checkpointed layers)
-    d_plain, d_ck = _one_more_layer(mode, tr.recompute_layers, base)
+    # (a chunk of one layer more than the smaller's: d_plain more plain and d_ck more checkpointed layers)
+    d_ck = _checkpointed(mode, tr.recompute_layers, base + 1) - _checkpointed(mode, tr.recompute_layers, base)
+    d_plain = 1 - d_ck
 
     plain = layer_terms(run, "none")
     ck_terms = plain  # a checkpointed layer's saved set (below)
@@ -2152,17 +2130,14 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         # (all forwards first: the first backward, the last chunk's, freed its unit's own terms too, its output
         # now referenced by its send)
         held_later = held_later - (units - later_units) * _interleaved_own(run, stage, s_h, last_saved)[0]
-    # interleaved: on the last stage the ending backward is the loss chunk's (the upper bound of
-    # `_later_backward_end`), whose micro-batch has consumed its loss terms and whose output `_later_backward_end`
-    # counts itself: neither stays among the others held
-    own = 0
-    if run.schedule == "interleaved":
-        own = where(last, last_saved + every_stage_terms(run, stage).get("pipeline_output", 0), 0)
-    later_end, cast_grads = (_later_backward_end(run, stage, held_later - freed - own, sent) if not off
-                             else (_NEVER, 0))
-    if run.profile == "torch" and run.schedule == "interleaved" and not off:
-        later_end = _interleaved_later_end(run, stage, held_later, (freed, first_unit), j_star, s_h, last_saved,
-                                           later_end)
+    # (torch interleaved: the last chunk's end and the first's, each without its own terms among the others held)
+    if off:
+        later_end, cast_grads = _NEVER, 0
+    elif run.profile == "torch" and run.schedule == "interleaved":
+        later_end, cast_grads = _interleaved_later_end(run, stage, held_later, (freed, first_unit), j_star, s_h,
+                                                       last_saved)
+    else:
+        later_end, cast_grads = _later_backward_end(run, stage, held_later - freed, sent)
     if run.profile == "torch" and run.zero >= 2 and not off:
         # torch pipelining over FSDP2: the first backward's end holds the other micro-batches in flight too, with the
         # same accumulated gradients and unsharded units as a later one's (`_later_backward_end`)

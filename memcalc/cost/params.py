@@ -202,6 +202,22 @@ def stage_layers(run: Run, stage: Num, n_stages: Num | None = None) -> Num:
     return base + where(stage < extra, 1, 0)
 
 
+def interleave_group(run: Run) -> Num:
+    """Micro-batches per model chunk in a row of the interleaved schedule: Megatron runs them in groups of pp
+    (schedules.py `get_model_chunk_id`); torch's ScheduleInterleaved1F1B in rounds of m // max(1, m // pp)
+    (`microbatches_per_round`; m a multiple of the rounds, any m >= 1), which is pp where pp divides m."""
+    if run.profile == "torch":
+        return run.grad_accum // imax(run.grad_accum // run.pp, 1)
+    return run.pp
+
+
+def interleave_rounds(run: Run) -> Num:
+    """Rounds of the interleaved schedule: m // `interleave_group`. In one round every model chunk's backwards
+    follow all of the later chunks' (the loss chunk's first), so a later backward of the last chunk finds only
+    that chunk's gradients made."""
+    return imax(run.grad_accum // interleave_group(run), 1)
+
+
 def chunk_split(run: Run, stage: Num) -> tuple[Num, Num, Num]:
     """Interleaved, torch's split of L over pp*vpp virtual stages (`stage_layers`): (L // (pp*vpp), and the range
     k_lo..k_hi of this rank's chunks k (global stage stage + k*pp) that hold one layer more: those on global stages
@@ -221,9 +237,7 @@ def chunk_layers(run: Run, stage: Num, k: Num) -> Num:
 
 def chunk_forwards(run: Run, stage: Num, units: Num, k_lo: Num, k_hi: Num) -> Num:
     """Interleaved: of the first `units` chunk forwards, those of chunks k_lo..k_hi (the k-th forward runs chunk
-    (k // g) mod vpp, g = `activations.interleave_group`: groups of g micro-batches per chunk)."""
-    from memcalc.cost.activations import interleave_group
-
+    (k // g) mod vpp, g = `interleave_group`: groups of g micro-batches per chunk)."""
     v = run.vpp
     g = interleave_group(run)
     groups = units // (g * v)
@@ -413,7 +427,7 @@ def stage_param_split(run: Run, stage: Num) -> ParamSplit:
 def early_chunks_trainable(run: Run, stage: Num, chunks: int | None = None) -> Num:
     """Interleaved schedule: trainable elements of the stage's first model chunk (`chunks` = 1; chunk 0 of stage 0
     holds the embedding), by default of all but its last, i.e. the gradients a later
-    backward of the last chunk does not find made in a one-round step (activations `interleave_rounds`). 0 without
+    backward of the last chunk does not find made in a one-round step (`interleave_rounds`). 0 without
     interleaving. A --freeze'd first layers' share is not taken out (at most the trainable elements)."""
     if run.schedule != "interleaved":
         return 0 * stage

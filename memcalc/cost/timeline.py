@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcalc.cost.activations import _NEVER, interleave_rounds, loop_holds_graph, stage_activations
+from memcalc.cost.activations import _NEVER, loop_holds_graph, stage_activations
 from memcalc.cost.buffers import (
     amp_casts_freed_at_attention,
     amp_head_cast_freed,
@@ -47,6 +47,7 @@ from memcalc.cost.params import (
     first_attention_grad_elems,
     first_backward_grad_elems,
     fsdp_sharded,
+    interleave_rounds,
     layer_params,
     lora_first_grad_elems,
     pipelined_fsdp,
@@ -255,7 +256,7 @@ def _layer_shares(run: Run, stage: Num) -> _Shares:
     later_regathers = where(pipelined_fsdp(run) == 1, steady, 1)
     cool_down = where((pipelined_fsdp(run) == 1) & (stage < run.pp - 1), 1, 0) \
         if run.schedule != "gpipe" and run.zero >= 3 else 0 * warm
-    one_round = (run.profile == "torch") & (interleave_rounds(run) == 1)
+    one_round = (run.profile == "torch") & (run.schedule == "interleaved") & (interleave_rounds(run) == 1)
     # (interleaved: the layers of the chunks but the last)
     others = stage_layers(run, stage) - chunk_layers(run, stage, run.vpp - 1) if run.schedule == "interleaved" else 0
     early = where(one_round, early_chunks_trainable(run, stage), 0)
