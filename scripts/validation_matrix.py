@@ -518,6 +518,14 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     add("PP2 interleaved vpp 2 bf16 AMP, 7 layers (1, 2, 2, 2), full recompute, m 4", dict(
         IW, layers=7, grad_accum=4, recompute="full"))
     add("PP2 interleaved vpp 2 x FSDP2 ZeRO-3 bf16, 7 layers, m 4", dict(IW, layers=7, gpus=4, zero=3, grad_accum=4))
+    # --recompute-layers K: the first K layers of each stage (each model chunk when interleaved) checkpointed
+    R = dict(IW, layers=8, grad_accum=4, recompute="full", recompute_layers=1)
+    add("PP2 1F1B bf16 AMP, 8 layers, full recompute of 1 layer a stage, m 4, first stage",
+        dict(R, schedule="1f1b", vpp=1, rank=0))
+    add("PP2 1F1B bf16 AMP, 8 layers, full recompute of 1 layer a stage, m 4", dict(R, schedule="1f1b", vpp=1))
+    add("PP2 interleaved vpp 2 bf16 AMP, 8 layers, full recompute of 1 layer a chunk, m 4", R)
+    add("PP2 interleaved vpp 2 bf16 AMP, 7 layers (1, 2, 2, 2), selective recompute of 1 layer a chunk, m 4, first "
+        "stage", dict(R, layers=7, recompute="selective", rank=0))
     return c
 
 

@@ -583,16 +583,20 @@ class GPT(nn.Module):
 
     def __init__(self, m: ModelSpec, kernel: str = "flash", dropout: float = 0.0, recompute: str = "none",
                  recompute_layers: int | None = None, norm_impl: str = "fused", qkv_impl: str = "separate",
-                 gqa_impl: str = "native", loss_chunks: int = 0, loss_chunk_size: int = 0):
+                 gqa_impl: str = "native", loss_chunks: int = 0, loss_chunk_size: int = 0,
+                 unit_starts: tuple[int, ...] = (0,)):
         super().__init__()
-        n_ckpt = m.layers if recompute_layers is None else recompute_layers
         self.embed: nn.Module | None = Embed(m, dropout)
         blocks = []
         for i in range(m.layers):
-            blk = Block(m, kernel, dropout, selective=recompute == "selective" and i < n_ckpt, norm_impl=norm_impl,
+            # --recompute-layers K: the first K layers of each pipeline stage (each model chunk when interleaved;
+            # `unit_starts` are their first layers), Megatron's --recompute-method block
+            start = max(s for s in unit_starts if s <= i)
+            ck = recompute_layers is None or i - start < recompute_layers
+            blk = Block(m, kernel, dropout, selective=recompute == "selective" and ck, norm_impl=norm_impl,
                         qkv_impl=qkv_impl, gqa_impl=gqa_impl,
                         dense=m.moe is not None and i < m.moe.first_dense_layers)
-            if recompute in ("full", "op") and i < n_ckpt:
+            if recompute in ("full", "op") and ck:
                 blk = Checkpointed(blk) if recompute == "full" else OpCheckpointed(blk)
             blocks.append(blk)
         self.layers = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})

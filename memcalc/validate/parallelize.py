@@ -260,6 +260,17 @@ def fsdp_buffer_storages(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def stage_starts(run: Run, n_stages: int) -> tuple[int, ...]:
+    """The first layer of each of `n_stages` pipeline stages (model chunks), split as split_stage splits them."""
+    from memcalc.cost.params import stage_layers
+
+    starts, at = [], 0
+    for s in range(n_stages):
+        starts.append(at)
+        at += int(stage_layers(run, s, n_stages))
+    return tuple(starts)
+
+
 def split_stage(model: GPT, stage: int, pp: int, run: Run) -> GPT:
     """Keep the layers of `stage` (split as the profile's framework splits them, memcalc/cost/params.py), the
     embedding on the first stage and the final norm + head on the last; a tied head gets its own copy."""
