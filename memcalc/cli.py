@@ -105,6 +105,8 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "recompute": (str, "none", _opt("--recompute", help="Activation recompute: none | selective (attention core, Megatron) | op (torchtitan's op-level SAC: saves every other matmul output and the attention output) | full.", panel=_T)),
     "recompute_layers": (Optional[int], None, _opt("--recompute-layers", help="Checkpoint only this many layers per "
                          "stage.", panel=_T)),
+    "recompute_every": (Optional[int], None, _opt("--recompute-every", help="With --recompute full: checkpoint "
+                        "every K-th layer of each stage instead (torchtitan's selective_ac_option = K).", panel=_T)),
     "attention": (str, "flash", _opt("--attention", help="flash (SDPA/flash kernels) | eager.", panel=_T)),
     "norm_impl": (str, "fused", _opt("--norm-impl", help="RMSNorm code: fused (nn.RMSNorm, Apex, TE: saves the "
                   "input) | fp32 (eager upcast of HF, torchtune, lit-gpt: saves an fp32 copy).", panel=_T)),

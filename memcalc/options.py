@@ -32,6 +32,7 @@ FLAG_OF = {
     "vocab": "--vocab", "seq": "--seq", "micro_batch": "--micro-batch", "global_batch": "--global-batch",
     "grad_accum": "--grad-accum", "precision": "--precision", "grad_dtype": "--grad-dtype",
     "optimizer": "--optimizer", "recompute": "--recompute", "recompute_layers": "--recompute-layers",
+    "recompute_every": "--recompute-every",
     "attention": "--attention", "norm_impl": "--norm-impl", "qkv_impl": "--qkv-impl",
     "gqa_impl": "--gqa-impl", "optimizer_impl": "--optimizer-impl", "offload_activations": "--offload-activations",
     "quantize_head": "--quantize-head", "lora_dropout": "--lora-dropout", "loss": "--loss", "dropout": "--dropout",
@@ -148,6 +149,7 @@ class RunOptions:
     optimizer: str = "adamw"
     recompute: str = "none"
     recompute_layers: int | None = None
+    recompute_every: int | None = None
     attention: str = "flash"
     norm_impl: str = "fused"
     qkv_impl: str = "separate"
@@ -450,6 +452,7 @@ def build_run(o: RunOptions) -> Run:
     if o.zero not in (0, 1, 2, 3):
         raise InputError(f"--zero {o.zero} is not a ZeRO stage; valid: 0, 1, 2, 3")
     check_positive("--recompute-layers", o.recompute_layers, minimum=0)
+    check_positive("--recompute-every", o.recompute_every)
     check_positive("--lora-rank", o.lora_rank)
     check_positive("--base-batch", o.base_batch)
     check_positive("--base-warmup-steps", o.base_warmup_steps, minimum=0)
@@ -472,7 +475,8 @@ def build_run(o: RunOptions) -> Run:
         training = TrainingSpec(
             seq=_seq_of(o, model), micro_batch=o.micro_batch, global_batch=o.global_batch, grad_accum=o.grad_accum,
             precision=o.precision, master_weights=o.master_weights, grad_dtype=o.grad_dtype, optimizer=o.optimizer,
-            recompute=o.recompute, recompute_layers=o.recompute_layers, attention=o.attention, loss=o.loss,
+            recompute=o.recompute, recompute_layers=o.recompute_layers,
+            recompute_every=o.recompute_every, attention=o.attention, loss=o.loss,
             keep_logits=o.keep_logits, peak_step=o.peak_step,
             rope_cache_positions=rope_positions, rope_cache_per_layer=rope_per_layer,
             offload_activations=o.offload_activations,

@@ -206,6 +206,9 @@ class TrainingSpec(_Frozen):
     optimizer: Optimizer = "adamw"
     recompute: Recompute = "none"
     recompute_layers: int | None = Field(default=None, ge=0)  # None: every layer of the stage
+    # torchtitan's layer-level selective AC (`selective_ac_option = K`): every K-th layer of the rank fully
+    # checkpointed (its 1-based count over the rank's layers divisible by K); None: recompute_layers' block method
+    recompute_every: int | None = Field(default=None, ge=1)
     attention: Literal["flash", "eager"] = "flash"
     # model code, not model shape (docs/methodology.md "Model code"): the RMSNorm kernel (fused: nn.RMSNorm /
     # Apex / TE, saving the input and rstd; fp32: the eager upcast of HF, torchtune and lit-gpt, saving an fp32 copy
@@ -509,6 +512,11 @@ def resolve(
                          f"pp*vpp <= {m.layers}")
     if vpp > 1 and pp == 1:
         raise InputError("--vpp > 1 needs --pp > 1 (virtual stages interleave pipeline stages)")
+    k = t.recompute_every
+    if vpp > 1 and k is not None and (m.layers % (pp * vpp) or (m.layers // (pp * vpp)) % k):
+        # a rank counts its layers over its model chunks: whole multiples of K keep every chunk's pattern the same
+        raise InputError(f"--recompute-every {k} with --pp {pp} --vpp {vpp} is modelled for chunks of a multiple of "
+                         f"{k} layers ({m.layers} layers over {pp * vpp} chunks); use --recompute-layers")
     if t.seq % cp:
         raise InputError(f"--cp {cp} does not divide the sequence length {t.seq}")
     if m.mla is not None and cp > 1:
@@ -570,6 +578,20 @@ def resolve(
         ga = t.grad_accum or 1
     if t.recompute_layers is not None and t.recompute == "none":
         raise InputError("--recompute-layers needs --recompute selective, op or full")
+    if t.recompute_every is not None:
+        k = t.recompute_every
+        if t.recompute != "full":
+            raise InputError(f"--recompute-every {k} needs --recompute full (every {k}-th layer is fully "
+                             f"checkpointed; got --recompute {t.recompute})")
+        if t.recompute_layers is not None:
+            raise InputError(f"--recompute-every {k} and --recompute-layers {t.recompute_layers} both place the "
+                             "checkpointed layers; give one of them")
+        if t.offload_activations:
+            raise InputError(f"--recompute-every {k} with --offload-activations is not modelled; use "
+                             "--recompute-layers (the first K layers of each stage)")
+        if m.moe is not None and m.moe.first_dense_layers:
+            raise InputError(f"--recompute-every {k} with {m.moe.first_dense_layers} first dense MoE layers is not "
+                             "modelled; use --recompute-layers (the first K layers of each stage)")
     if t.keep_logits == "compute" and t.loss == "lit-gpt":
         raise InputError("--keep-logits compute with --loss lit-gpt: lit-gpt's loop keeps the model's logits "
                          "already; valid there: none (the compute-dtype list) or fp32 (upcast by Fabric)")

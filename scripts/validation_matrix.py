@@ -526,6 +526,24 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     add("PP2 interleaved vpp 2 bf16 AMP, 8 layers, full recompute of 1 layer a chunk, m 4", R)
     add("PP2 interleaved vpp 2 bf16 AMP, 7 layers (1, 2, 2, 2), selective recompute of 1 layer a chunk, m 4, first "
         "stage", dict(R, layers=7, recompute="selective", rank=0))
+    # plain and checkpointed layers in one stage under AMP: the re-run's weight casts, the plain layers' kept ones,
+    # each layer's moment with the sets above it freed; --recompute-every K (torchtitan's layer-level SAC)
+    A = dict(layers=4, hidden=512, heads=8, kv_heads=2, ffn=1024, vocab=512, seq=1024, precision="bf16",
+             recompute="full", optimizer="sgd")
+    add("single bf16 AMP SGD, seq 1024, full recompute: the re-run's weight casts", A)
+    add("single bf16 AMP SGD, seq 1024, full recompute of 3 of 4 layers", dict(A, recompute_layers=3))
+    add("single fp32 SGD, seq 1024, full recompute of 3 of 4 layers", dict(A, recompute_layers=3, precision="fp32"))
+    add("single bf16 AMP SGD, seq 1024, full recompute of every 2nd layer", dict(A, recompute_every=2))
+    add("single bf16 AMP SGD, seq 1024, full recompute of every 3rd layer", dict(A, recompute_every=3))
+    add("DDP bf16 AMP SGD, 6 layers, seq 1024, full recompute of every 2nd layer", dict(A, layers=6, gpus=2,
+                                                                                       recompute_every=2))
+    add("FSDP2 ZeRO-3 bf16 SGD, seq 1024, full recompute of every 2nd layer", dict(A, gpus=2, zero=3,
+                                                                                  recompute_every=2))
+    add("PP2 1F1B bf16 AMP, 8 layers, full recompute of every 2nd layer, m 4", dict(R, schedule="1f1b", vpp=1,
+                                                                                    recompute_layers=None,
+                                                                                    recompute_every=2))
+    add("PP2 interleaved vpp 2 bf16 AMP, 8 layers, full recompute of every 2nd layer, m 4, first stage",
+        dict(R, recompute_layers=None, recompute_every=2, rank=0))
     return c
 
 
@@ -678,7 +696,8 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "the schedule's step runs inside `loss_parallel()`, as torchtitan's does). gloo's reduce-scatter copies its input internally (NCCL does not): that copy is not",
            "counted. Real gloo worlds are not fully deterministic: gloo's worker thread may still hold the previous",
            "FSDP2 all-gather output when the next one is allocated, so an FSDP2 ZeRO-3 row can measure one flat",
-           "all-gather buffer more from run to run (seen on row 27: 3,809,324 or 3,875,372 bytes).",
+           "all-gather buffer more from run to run (seen on row 27: 3,809,324 or 3,875,372 bytes; row 63: "
+           "2,201,036 or 2,227,916).",
            "Activation offloading (`--offload-activations`, memcalc/validate/offload.py) copies each block's saved",
            "storages to untracked host memory (pinned on CUDA) and reloads them one block ahead in backward.",
            "",

@@ -514,6 +514,76 @@ def test_recompute_layers_and_transients():
     assert stage_activations(rs, 0).detail["recompute_transient"] == 0
 
 
+def test_recompute_every_places_the_checkpointed_layers():
+    """--recompute-every K (torchtitan's selective_ac_option = K): the K-th, 2K-th, ... layer of a stage is
+    checkpointed, so the last layer may be, and backward re-runs it before any plain layer has freed its set; with
+    --recompute-layers the same count is the first layers (Megatron's block method), reached after every plain one.
+    fp32 (no autocast casts), torch profile, 4 layers, seq 2048."""
+    from memcalc.cost.compute import stage_recomputed_layers
+
+    m = llama3_8b(layers=4)
+    T = 2048
+    plain = layer_bytes(make(m, "torch", seq=T, precision="fp32"))
+    every = make(m, "torch", seq=T, precision="fp32", recompute="full", recompute_every=2)
+    block = make(m, "torch", seq=T, precision="fp32", recompute="full", recompute_layers=2)
+    ckpt = 4 * T * 4096  # the fp32 layer input
+    assert layer_bytes(every, "full") == ckpt
+    se, sb = stage_activations(every, 0), stage_activations(block, 0)
+    # the same two plain and two checkpointed layers held ...
+    assert se.held_bytes == sb.held_bytes
+    assert stage_recomputed_layers(every, 0) == stage_recomputed_layers(block, 0) == 2
+    # ... but layer 4 (1-based) is checkpointed: re-run whole with nothing freed; the block method reaches its
+    # checkpointed layers after both plain ones have freed theirs (2 x plain > plain - ckpt)
+    assert se.detail["recompute_transient"] == plain - ckpt
+    assert sb.detail["recompute_transient"] == 0
+    # the k-th layer from the last (`mixed_at`): every-2 from the top is ck, plain, ck, plain; each moment holds
+    # the sets above it freed: k = 1 (plain) finds one checkpoint freed, k = 2 (re-run) a plain set and a
+    # checkpoint freed and its own re-run set (plain - ckpt) back, k = 3 (plain) one plain and two checkpoints
+    e1, e2, e3 = (se.mixed_at(k, "layer") for k in (1, 2, 3))
+    assert e2 - e1 == -plain + (plain - ckpt) == -ckpt
+    assert e3 - e1 == -plain - ckpt
+    # block from the top: plain, plain, ck, ck
+    b1, b2, b3 = (sb.mixed_at(k, "layer") for k in (1, 2, 3))
+    assert b2 - b1 == -plain + (plain - ckpt)
+    assert b3 - b2 == -ckpt
+    assert e1 - b1 == plain - ckpt  # k = 1 frees a checkpoint (every) or a plain set (block)
+    # 6 layers over pp 2 every 2: a stage's layers 2 (its 3 layers give one), and the torch profile's counts
+    six = make(llama3_8b(layers=6), "torch", seq=T, recompute="full", recompute_every=2, pp=2, gpus=2)
+    assert [int(stage_recomputed_layers(six, s)) for s in (0, 1)] == [1, 1]
+
+
+def test_amp_full_recompute_casts_in_the_saved_sets():
+    """AMP (fp32 weights under autocast) with full recompute and no pipelining: the autocast cache goes with each
+    micro-batch's forward region, so a plain layer keeps its weights' bf16 casts through its matmuls' saved tensors
+    until its backward, and a checkpointed layer's re-run casts its weights again (activations._saved_cast_terms).
+    Llama-3-8B shapes: q and o 4096 x 4096, k and v 1024 x 4096, gate, up and down 14336 x 4096 weights, 2 B
+    each (no biases)."""
+    m = llama3_8b(layers=4)
+    T = 2048
+    r = make(m, "torch", seq=T, precision="bf16", recompute="full", recompute_layers=1)
+    terms = layer_terms(r)
+    assert terms["amp_weight_casts_qkv"] == 2 * (4096 * 4096 + 2 * 1024 * 4096) == 50_331_648
+    assert terms["amp_weight_casts_o_mlp"] == 2 * (4096 * 4096 + 2 * 14336 * 4096) == 268_435_456
+    assert terms["amp_weight_casts_down"] == 2 * 14336 * 4096 == 117_440_512
+    casts = 50_331_648 + 268_435_456 + 117_440_512  # one layer's: 436 MB
+    # the three plain layers' casts are held among the saved sets, and leave the forward buffer
+    sa = stage_activations(r, 0)
+    assert sum(sa.detail[k] for k in terms if k.startswith("amp_weight_casts")) == 3 * casts
+    from memcalc.cost.buffers import stage_buffers
+
+    fwd = stage_buffers(r, 0)["amp_weight_casts"].bytes
+    assert fwd == stage_buffers(make(m, "torch", seq=T, precision="bf16", recompute="full"), 0)[
+        "amp_weight_casts"].bytes - 3 * casts
+    # the re-run of a checkpointed layer makes its casts again (in its re-run set)
+    ra = make(m, "torch", seq=T, precision="bf16", recompute="full")
+    assert recompute_transient_bytes(ra) == sum(layer_terms(ra).values()) - layer_bytes(ra, "full")
+    assert "amp_weight_casts_down" in layer_terms(ra)
+    # none without autocast, without full recompute, or under pipelining (the step's cache keeps every cast)
+    for kw in (dict(precision="fp32", recompute="full"), dict(precision="bf16"),
+               dict(precision="bf16", recompute="full", pp=2, gpus=2)):
+        assert not any(v for k, v in layer_terms(make(m, "torch", seq=T, **kw)).items() if k.startswith("amp_")), kw
+
+
 def test_full_recompute_of_a_single_layer_rematerialises_it_whole():
     """One layer per stage and one micro-batch: full recompute re-runs the whole layer at the start of its
     backward, so the backward peak holds the full layer anyway; it only avoids stacking it on the logits gradient

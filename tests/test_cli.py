@@ -64,6 +64,12 @@ BAD_INPUTS = [
     (["--model", "llama-2-7b", "--foreach", "--optimizer-impl", "fused"], "--foreach contradicts --optimizer-impl"),
     (["--model", "llama-2-7b", "--gpus", "8", "--bucket-cap-mb", "0"], "--bucket-cap-mb 0.0"),
     (["--model", "llama-2-7b", "--reduce-bucket-size", "0"], "--reduce-bucket-size 0"),
+    (["--model", "llama-2-7b", "--recompute-every", "2"], "--recompute-every 2 needs --recompute full"),
+    (["--model", "llama-2-7b", "--recompute", "full", "--recompute-every", "2", "--recompute-layers", "4"],
+     "give one of them"),
+    (["--model", "llama-2-7b", "--recompute", "full", "--recompute-every", "0"], "--recompute-every 0"),
+    (["--model", "llama-2-7b", "--recompute", "full", "--recompute-every", "3", "--gpus", "4", "--pp", "4",
+      "--vpp", "2"], "chunks of a multiple of 3 layers (32 layers over 8 chunks)"),
 ]
 
 

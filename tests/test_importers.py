@@ -502,13 +502,48 @@ selective_ac_option = "2"
     p = tmp_path / "llama3_70b.toml"
     p.write_text(toml)
     imported = build_run(RunOptions(torchtitan_config=str(p)))
-    # 80 layers / 10 per stage = 8 stages over pp 4 -> vpp 2; 20 layers per rank, every 2nd checkpointed -> 10;
+    # 80 layers / 10 per stage = 8 stages over pp 4 -> vpp 2; every 2nd layer of a rank checkpointed (chunks of 10);
     # FSDP with pp > 1 and the "default" reshard policy keeps params unsharded after forward -> ZeRO-2-like
     explicit = build_run(RunOptions(model="llama-3.1-70b", gpus=2 * 8 * 4, tp=8, pp=4, vpp=2, schedule="interleaved",
                                     sp=True, tp_overlap=True, zero=2, micro_batch=2, global_batch=64, seq=8192,
-                                    recompute="full", recompute_layers=10, optimizer="adamw", optimizer_impl="fused",
+                                    recompute="full", recompute_every=2, optimizer="adamw", optimizer_impl="fused",
                                     allocator="expandable"))
     assert imported == explicit
+
+
+def test_torchtitan_layer_ac_over_chunks_of_another_size(tmp_path):
+    """selective_ac_option = 3 over interleaved chunks of 10 layers: torchtitan's count runs over a rank's chunks, so
+    the chunks' patterns differ, which --recompute-every does not model; the importer falls back to the block
+    method's count per chunk (10 // 3 = 3 layers) and says so."""
+    toml = """
+[model]
+name = "llama3"
+flavor = "70B"
+[training]
+local_batch_size = 8
+global_batch_size = 64
+seq_len = 8192
+[parallelism]
+data_parallel_shard_degree = 2
+tensor_parallel_degree = 8
+pipeline_parallel_degree = 4
+pipeline_parallel_schedule = "Interleaved1F1B"
+pipeline_parallel_microbatch_size = 2
+pipeline_parallel_layers_per_stage = 10
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "3"
+"""
+    p = tmp_path / "llama3_70b.toml"
+    p.write_text(toml)
+    o = apply_imports(RunOptions(torchtitan_config=str(p)))
+    assert o.recompute == "full" and o.recompute_layers == 3 and o.recompute_every is None
+    assert any("approximated by the first 3" in n for n in o.import_report.notes)
+    # pp 4 without interleaving (20 layers a stage): every 3rd layer, as torchtitan places them
+    p.write_text(toml.replace('pipeline_parallel_schedule = "Interleaved1F1B"', 'pipeline_parallel_schedule = "1F1B"')
+                 .replace("pipeline_parallel_layers_per_stage = 10\n", ""))
+    o = apply_imports(RunOptions(torchtitan_config=str(p)))
+    assert o.recompute_every == 3 and o.recompute_layers is None and o.vpp == 1
 
 
 # --- errors --------------------------------------------------------------------------------------------------------

@@ -534,3 +534,25 @@ def test_held_graph_and_first_step_in_the_planner_equal_estimate(step):
     for run, bulk_peak in _sampled_feasible(o, seed=5):
         assert run.training.peak_step == step
         assert peak_bytes(run) == bulk_peak
+
+
+def test_recompute_every_plans_full_recompute_and_whole_chunks():
+    """--recompute-every K: the search keeps --recompute full only, and refuses interleaved layouts whose model chunks
+    are not a multiple of K layers (the `recompute_every_chunks` rule); every plan reproduces through estimate.
+    llama-2-7b: 32 layers; every 4th: pp 2 x vpp 2 (chunks of 8) is a layout, pp 2 x vpp 8 (chunks of 2) is not."""
+    code, out, err = cli("plan", "--model", "llama-2-7b", "--gpus", "8", "--gpu", "h100-sxm-80gb",
+                         "--global-batch", "32", "--seq", "2048", "--pp", "2", "--vpp", "2,8", "--recompute-every",
+                         "4", "--top", "50", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["search"]["rejected"]["recompute_every_chunks"] > 0
+    assert data["plans"] and all(p["layout"]["vpp"] == 2 for p in data["plans"])
+    for p in data["plans"]:
+        assert "--recompute full --recompute-every 4" in p["command"]
+        args = shlex.split(p["command"])[2:]
+        c2, o2, e2 = cli("estimate", *args, "--json")
+        assert c2 == 0, e2
+        assert json.loads(o2)["memory"]["peak_bytes"] == p["memory"]["peak_bytes"]
+    code, _, err = cli("plan", "--model", "llama-2-7b", "--gpus", "8", "--global-batch", "32", "--recompute",
+                       "none,selective", "--recompute-every", "4")
+    assert code == 2 and "--recompute-every 4 needs --recompute full" in err

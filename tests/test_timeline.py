@@ -137,17 +137,19 @@ FIELDS = ("gpus", "dp", "tp", "pp", "vpp", "cp", "ep", "micro_batch", "grad_accu
 
 
 @pytest.mark.parametrize("profile", ["torch", "megatron", "deepspeed"])
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", "full", "full, 2 layers", "full, every 2"])
 @pytest.mark.parametrize("zero", [1, 2])  # one ZeRO stage per array (the planner's bulk calls fix it too)
 def test_array_form_equals_scalar(profile, recompute, zero):
     m = llama(layers=12)
     runs, stages = [], []
+    placed = {"full, 2 layers": dict(recompute_layers=2), "full, every 2": dict(recompute_every=2)}.get(recompute, {})
+    recompute = recompute.split(",")[0]
     for tp in (1, 2):
         for pp in (1, 2, 3):
             for cp in (1, 2):
                 for mb, ga in ((1, 1), (2, 4)):
                     r = make(m, profile, seq=1024, tp=tp, pp=pp, cp=cp, gpus=2 * tp * pp * cp, micro_batch=mb,
-                             grad_accum=ga, recompute=recompute, zero=zero, sp=False)
+                             grad_accum=ga, recompute=recompute, zero=zero, sp=False, **placed)
                     for s in sorted({0, pp - 1}):
                         runs.append(r)
                         stages.append(s)

@@ -24,6 +24,7 @@ from typing import Any
 
 from memcalc.cost.params import (
     cast_grad_elems,
+    checkpointed_layers,
     chunk_forwards,
     chunk_layers,
     chunk_split,
@@ -38,7 +39,9 @@ from memcalc.cost.params import (
     mlp_width,
     padded_vocab,
     pipelined_fsdp,
+    plain_on_top,
     replicated_embedding_grad,
+    saved_cast_elems,
     scaled,
     stage_dense_layers,
     stage_layers,
@@ -474,7 +477,27 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         # one norm output read by Q/K/V and the MLP in the compute dtype: saved once, whichever saves it
         shared = imin(out["mlp_input"], out["qkv_input"])
         out["mlp_input"] = out["mlp_input"] - shared * _mlp_shares_qkv_input(run)
+    out.update(_saved_cast_terms(run))
     return out
+
+
+def _saved_cast_terms(run: Run) -> dict[str, Num]:
+    """AMP (autocast over fp32 weights) with full recompute, without pipelining: the autocast cache is cleared when
+    each micro-batch's forward region exits, so a plain layer (--recompute-layers, --recompute-every) keeps its
+    weights' compute-dtype casts only through its matmuls' saved tensors, and a checkpointed layer's re-run casts
+    its weights again, saved by the re-run matmuls until their backward (the re-run enters its own autocast region:
+    torch.utils.checkpoint restores the autocast state). Counted here as part of one layer's saved set, so each
+    plain layer frees them at its backward and `_remat_net` re-makes them; `buffers._amp_casts` leaves them out of
+    its forward figure. The q/k/v casts last to the attention core's moment (`_UP_TO_CORE`), the down projection's
+    is freed by the MLP's (`layer_backward_transient`). Under pipelining the step's autocast cache keeps every
+    cast anyway (`buffers._amp_casts_step_cache`). Dense layers only (an MoE layer's are not modelled). Measured
+    by the harness (docs/validation.md)."""
+    m, tr = run.model, run.training
+    if tr.recompute != "full" or m.moe is not None or run.profile != "torch":
+        return {}
+    f = _autocast(run) * where(run.pp == 1, 1, 0) * DTYPE_BYTES[run.recipe.compute_dtype]
+    qkv, rest, down = saved_cast_elems(run)
+    return {"amp_weight_casts_qkv": f * qkv, "amp_weight_casts_o_mlp": f * rest, "amp_weight_casts_down": f * down}
 
 
 def _mlp_shares_qkv_input(run: Run) -> Num:
@@ -1080,11 +1103,50 @@ class StageActivations:
     # holds, else 0 (every later backward is then a cool-down one, as `backward_later_bytes` counts)
     drain_less_bytes: Num = 0
 
+    # --recompute-layers / --recompute-every (full or op): what `mixed_at` needs (None otherwise)
+    mixed_parts: tuple[Any, ...] | None = None
+
+    def mixed_at(self, k: Num, kind: str) -> Num:
+        """Plain and checkpointed layers in one unit: activations at a moment of the backward of the unit's k-th
+        layer from the last (k >= 1), `kind` "layer" (its MLP's), "attention" (its core's) or "post" (its end),
+        with the layers above it freed layer by layer (`_mixed_at`)."""
+        assert self.mixed_parts is not None
+        return _mixed_at(self.mixed_parts, k, kind)
+
     def offloaded_layer_at(self, k: Num) -> Num:
         """Offloading: activations inside the backward of the stage's k-th layer from the last (k = 0 is the first
         layer backward), the loss terms freed and no gradients counted."""
         assert self.offload_parts is not None
         return _offloaded_layer_at(self.offload_parts, k)
+
+
+def _mixed_at(parts: tuple[Any, ...], k: Num, kind: str) -> Num:
+    """base (everything held once the loss terms are freed) less the saved sets of the k layers above the k-th
+    from the last, plus that layer's moment: a plain layer's transient, or a checkpointed one's re-run set (net of
+    what it kept) and transient. Checkpointed: the first `ck` of the unit (block method), or those whose 1-based
+    position is a multiple of `every` (--recompute-every); `top` plain layers come before the first of them."""
+    base, n, ck, every, plain, kept, moments = parts
+    if every is None:
+        ck_above = imax(k - (n - ck), 0)
+        is_ck = k >= n - ck
+    else:
+        ck_above = n // every - (n - k) // every
+        is_ck = (n - k) % every == 0
+    tr_plain, tr_ck = moments[kind]
+    return base - (k - ck_above) * plain - ck_above * kept + where(is_ck, tr_ck, tr_plain)
+
+
+def mixed_layers(act: Any) -> tuple[Num, ...]:
+    """--recompute-layers / --recompute-every: the layers (k from the unit's last, k >= 1, clipped to the unit)
+    where the moments' slope changes: each run of plain layers and the checkpointed ones form arithmetic
+    sequences in k, linear in between, so their ends bound them (with `timeline`'s 1, n-2 and n-1)."""
+    _, n, ck, every, *_ = act.mixed_parts
+    top = n - ck if every is None else n % every
+    ks = (top - 1, top, top + 1)
+    if every is not None:
+        last_ck = top + (imax(ck, 1) - 1) * every
+        ks = ks + (top + every - 1, last_ck, last_ck + 1)
+    return tuple(imin(imax(x, 1), imax(n - 1, 1)) for x in ks)
 
 
 def _offloaded_layer_at(parts: tuple[Num, ...], k: Num) -> Num:
@@ -1100,8 +1162,8 @@ def _offloaded_layer_at(parts: tuple[Num, ...], k: Num) -> Num:
 
 # terms saved in forward up to and including the attention core; the rest of a layer (output projection, MLP,
 # their norms and masks) is saved after it, so its backward runs (and frees them) before the core's
-_UP_TO_CORE = ("attn_norm", "attn_norm_normalized", "qkv_input", "mla_q_latent", "mla_kv_latent", "q", "k", "v",
-               "qkv_fused_buffer", "attn_softmax", "attn_probs",
+_UP_TO_CORE = ("attn_norm", "attn_norm_normalized", "qkv_input", "amp_weight_casts_qkv", "mla_q_latent",
+               "mla_kv_latent", "q", "k", "v", "qkv_fused_buffer", "attn_softmax", "attn_probs",
                "attn_dropout_mask", "attn_dropout_output", "attn_lse", "lora_attn_low_rank", "lora_dropout_qkv",
                "lora_dropout_qkv_mask", "lora_qkv_zero_pad")
 _CORE = ("attn_softmax", "attn_probs", "attn_dropout_mask", "attn_dropout_output", "attn_lse")
@@ -1415,7 +1477,10 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
             adapter = adapter - c * tokens * f_t
     # the input gradient is the matmul's output: a dequantization's own scratch comes before it
     grad_in = imax(c * tokens * f_t, dequant_scratch(run, weight))
-    mlp = imax(factors * c * tokens * f_t, grad_in + dq + adapter + _sp_gathered_grad(run))
+    # (AMP under full recompute: the down projection's saved weight cast goes with its saved input,
+    # `_saved_cast_terms`)
+    down_cast = (terms or {}).get("amp_weight_casts_down", 0)
+    mlp = imax(factors * c * tokens * f_t - down_cast, grad_in + dq + adapter + _sp_gathered_grad(run))
     if run.profile == "megatron":
         return stream + mlp
     return stream + imax(mlp - stream_in_buffer, attention_backward(run, terms))
@@ -1934,14 +1999,6 @@ def _late_chunk_moments(run: Run, stage: Num, units: Num, unit_bytes: Num, one_l
     return where(occurs, layer, _NEVER), where(occurs, post, _NEVER), where(occurs, end, _NEVER)
 
 
-def _checkpointed(mode: str, k: int | None, layers: Num) -> Num:
-    """Checkpointed layers of a unit of `layers`: `--recompute-layers` K per stage (per model chunk when
-    interleaved), the first K (Megatron --recompute-method block); K None = all; none without recompute."""
-    if mode == "none":
-        return 0 * layers
-    return layers if k is None else imin(k, layers)
-
-
 def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     """Activations of one rank of pipeline stage `stage` (int or numpy array)."""
     m = run.model
@@ -1974,10 +2031,12 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         unit_layers = stage_layers(run, stage)
         total_units = run.grad_accum
         n_first = n_last = n_every = units
-    ck = _checkpointed(mode, tr.recompute_layers, unit_layers)
+    ck = checkpointed_layers(mode, tr, unit_layers)
     plain_layers = unit_layers - ck
+    top = plain_on_top(tr, unit_layers, plain_layers)
+    last_plain = top >= 1  # the unit's last layer (the first in backward) keeps its saved set
     # (a chunk of one layer more than the smaller's: d_plain more plain and d_ck more checkpointed layers)
-    d_ck = _checkpointed(mode, tr.recompute_layers, base + 1) - _checkpointed(mode, tr.recompute_layers, base)
+    d_ck = checkpointed_layers(mode, tr, base + 1) - checkpointed_layers(mode, tr, base)
     d_plain = 1 - d_ck
 
     plain = layer_terms(run, "none")
@@ -2003,8 +2062,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         unit_bytes = unit_bytes + ck * kept_bytes
         # Megatron `--recompute-method block` checkpoints the first ck layers of the unit: backward reaches them
         # after the unit's plain layers of this micro-batch have freed their activations (offloaded: they were
-        # never all resident, the window below stands for them)
-        remat = where(ck > 0, _remat_net(mode, plain, kept_bytes) - (0 if off else plain_layers * plain_bytes), 0)
+        # never all resident, the window below stands for them); every K-th: after the `top` plain ones above the
+        # last checkpointed layer, whose re-run is the highest (each lower one finds more freed)
+        remat = where(ck > 0, _remat_net(mode, plain, kept_bytes) - (0 if off else top * plain_bytes), 0)
     one_more = d_plain * plain_bytes + d_ck * kept_bytes  # what one more layer adds to a unit
     first_unit = unit_bytes + (c_first - unit_layers) * one_more  # interleaved: a unit of the rank's first chunk
     # an MoE model's first dense layers (MoESpec.first_dense_layers) on this stage: the stage's first layers, so
@@ -2203,12 +2263,12 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # quantized down projection's matmul just before: its output and dequantized weight, and, when the layer is
     # checkpointed, its input (not saved in the no-grad forward)
     down_out = c * tok_all * m.hidden
-    unsaved = where(plain_layers >= 1, _stream_unsaved(run), 0) + where(
-        (plain_layers >= 1) | (mode == "selective"), _mlp_forward_extra(run), 0)
+    unsaved = where(last_plain, _stream_unsaved(run), 0) + where(
+        last_plain | (mode == "selective"), _mlp_forward_extra(run), 0)
     layer_out = imax(down_out, megatron_moe_forward_transient(run)) + where(last, s_h, 0) + unsaved
     if _dequantizes(tr) and tr.base_dtype == "nf4":
         dq_down = dq_fwd + _dequant_cast(run, dq_fwd, down_out)
-        at_matmul = _down_matmul_moment(run, mode, plain_layers, down_out, dequant_scratch(run, dq_fwd))
+        at_matmul = _down_matmul_moment(run, mode, where(last_plain, 1, 0), down_out, dequant_scratch(run, dq_fwd))
         layer_out = imax(layer_out, dq_down + at_matmul + unsaved)
     if off:
         detail["layers_offloaded_to_host"] = -host
@@ -2266,7 +2326,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     if not off:
         core_fwd = eager_attention_forward(run, plain, "none")
         if mode != "none":
-            core_fwd = where(plain_layers >= 1, core_fwd, eager_attention_forward(run, ck_terms, mode))
+            core_fwd = where(last_plain, core_fwd, eager_attention_forward(run, ck_terms, mode))
         attn_fwd = base - one_layer + w_prev + core_fwd
     pair = w_last + w_prev
     # bitsandbytes' quantized linears keep their inputs on `ctx` until the graph is dropped
@@ -2279,11 +2339,25 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         unit_held = graph_held_layer_bytes(run, plain) * plain_layers + (
             graph_held_layer_bytes(run, ck_terms) * ck if mode == "selective" else 0)
         layer_held = unit_held // imax(unit_layers, 1)
-        first_kept = (ck == 0) | (mode == "selective")  # the stage's first layer is not fully checkpointed
+        # the stage's first layer is not fully checkpointed
+        first_kept = (ck == 0) | (mode == "selective") | ((tr.recompute_every or 1) > 1)
         # and the quantized LM head's input, the final norm's output (lit-gpt's head chunks are views of it)
         graph_held = unit_held - where(first & first_kept, _graph_held_first_layer_fix(run, plain), 0) + head_held
     detail["graph_held_inputs_transient"] = graph_held
     post = base_bwd - one_layer + w_prev + _residual_grad_bytes(run)
+    mixed = None
+    if mode in ("full", "op") and not off and (tr.recompute_layers is not None or tr.recompute_every is not None):
+        # plain and checkpointed layers: each layer's moments from the saved sets above it (the average layer of
+        # `layer_freed_bytes` is exact only where the unit's layers are alike)
+        net = _remat_net(mode, plain, kept_bytes)
+        plain_freed = plain_bytes - (graph_held_layer_bytes(run, plain) if bnb_held else 0)
+        ck_layer = imax(layer_tr + net, where(re_run != 0, re_run - remat + net, 0))
+        resid = _residual_grad_bytes(run)
+        attn_plain = resid + attention_backward(run, plain) if modelled else _NEVER
+        moments = {"layer": (layer_tr, ck_layer), "attention": (attn_plain, attn_plain + net),
+                   "post": (resid - plain_freed, resid - kept_bytes)}
+        mixed = (base_bwd, unit_layers, ck, tr.recompute_every, plain_freed, kept_bytes, moments)
+        post = _mixed_at(mixed, 0, "post")  # the first layer's end: its own set freed, plain or a checkpoint
     late = _late_chunk_moments(run, stage, units, first_unit, first_unit // imax(c_first, 1), s_h,
                                dw=(late_dw, later_dw, piped_dw),
                                at_layer=(mode, plain, remat, dense_at, re_run)) if not off else (_NEVER,) * 3
@@ -2319,6 +2393,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         layer_freed_bytes=one_layer - layer_held,
         host_bytes=host,
         offload_parts=parts if off else None,
+        mixed_parts=mixed,
         in_flight=units,
         detail=detail,
         # the loss gradient's moment is the "backward" one where the loss, not a recompute or CP ring, is its

@@ -25,6 +25,7 @@ import dataclasses
 from typing import Any
 
 from memcalc.cost.params import (
+    checkpointed_layers,
     chunk_layers,
     embedding_params,
     after_core_layer_elems,
@@ -48,6 +49,7 @@ from memcalc.cost.params import (
     zero1_partition_applies,
     zero1_rank_elems,
     root_tensor_shapes,
+    saved_cast_elems,
     scaled,
     stage_dense_layers,
     stage_layer_params,
@@ -305,7 +307,13 @@ def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
     cb = DTYPE_BYTES[run.recipe.compute_dtype]
     fwd_only = frozenset({"forward", "forward_layer", "forward_layer_end"})
     phases = fwd_only if run.training.recompute in ("full", "op") else FWD_BWD
-    elems = n_train if run.training.lora_rank is not None else matmul_weight_elems(run, stage)
+    t = run.training
+    elems = n_train if t.lora_rank is not None else matmul_weight_elems(run, stage)
+    if t.recompute == "full" and run.model.moe is None and t.lora_rank is None and run.profile == "torch":
+        # the plain layers' copies are in their saved sets (activations._saved_cast_terms), without pipelining
+        n = stage_layers(run, stage)
+        plain = n - checkpointed_layers("full", t, n)
+        elems = elems - where(run.pp == 1, plain * sum(saved_cast_elems(run)), 0)
     return Buffer(cb * elems, phases, "autocast low-precision copies of the weights")
 
 

@@ -202,6 +202,36 @@ def stage_layers(run: Run, stage: Num, n_stages: Num | None = None) -> Num:
     return base + where(stage < extra, 1, 0)
 
 
+def checkpointed_layers(mode: str, tr: Any, layers: Num) -> Num:
+    """Checkpointed layers of a unit of `layers`: `--recompute-layers` K per stage (per model chunk when
+    interleaved), the first K (Megatron --recompute-method block); K None = all; none without recompute.
+    `--recompute-every K`: every K-th (torchtitan's layer-level selective AC, `_apply_layer_sac`, counts the
+    rank's blocks from 1 and wraps those divisible by K; resolve() keeps interleaved chunks whole multiples of K)."""
+    if mode == "none":
+        return 0 * layers
+    if tr.recompute_every is not None:
+        return layers // tr.recompute_every
+    k = tr.recompute_layers
+    return layers if k is None else imin(k, layers)
+
+
+def plain_on_top(tr: Any, layers: Num, plain_layers: Num) -> Num:
+    """The unit's plain layers after its last checkpointed one: backward frees their saved sets before that layer
+    re-runs. All of them under the block method; `layers mod K` under --recompute-every K."""
+    return plain_layers if tr.recompute_every is None else layers % tr.recompute_every
+
+
+def saved_cast_elems(run: Run) -> tuple[Num, Num, Num]:
+    """(q/k/v, output projection and gate/up (or fc), down) weight elements of one dense layer on one rank that
+    autocast casts and whose matmuls save the cast for their backward (a bias's cast is not saved: addmm keeps its
+    two matrices; activations._saved_cast_terms)."""
+    m = run.model
+    att = attention_matrix_shapes(m, run.tp)
+    qkv = sum(r * c * n for r, c, n in att[:-1])
+    (o_r, o_c, _), (up_r, up_c, up_n), (dn_r, dn_c, _) = att[-1], *mlp_matrix_shapes(m, m.ffn, run.tp)
+    return scaled(run, qkv), scaled(run, o_r * o_c + up_r * up_c * up_n), scaled(run, dn_r * dn_c)
+
+
 def interleave_group(run: Run) -> Num:
     """Micro-batches per model chunk in a row of the interleaved schedule: Megatron runs them in groups of pp
     (schedules.py `get_model_chunk_id`); torch's ScheduleInterleaved1F1B in rounds of m // max(1, m // pp)

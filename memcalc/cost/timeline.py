@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcalc.cost.activations import _NEVER, loop_holds_graph, stage_activations
+from memcalc.cost.activations import _NEVER, loop_holds_graph, mixed_layers, stage_activations
 from memcalc.cost.buffers import (
     amp_casts_freed_at_attention,
     amp_head_cast_freed,
@@ -433,23 +433,42 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     gathers = fsdp & (run.zero >= 3) & more
 
     def layer_end(k: Num, g_k: Num, a_k: Num) -> dict[str, Num]:
-        # FSDP2: the end of layer k's backward (its unsharded gradients live, `g_k` of the sharded ones made);
+        # FSDP2: the end of layer k's backward (its unsharded gradients live, `g_k` of the sharded ones made;
+        # `a_k` the activations then, `post_at`);
         # the previous unit's reduce-scatter input in flight from the second layer on, the next unit prefetched
         # but in the stage's last layer; linear in k between those steps
-        return moment(g_k, where(fsdp & (k < n_l), a_k - k * a, _NEVER), buf("backward_layer_end")
+        return moment(g_k, where(fsdp & (k < n_l), a_k, _NEVER), buf("backward_layer_end")
                       - k * rel + where(k >= 1, buf("backward_layer_next"), 0) + where(k < n_l - 1, pre, 0))
 
     def copy_out(k: Num, g_k: Num, a_k: Num, exists: Any = True) -> dict[str, Num]:
-        # FSDP2 ZeRO-3: layer k's copy-out after layer k-1's post-backward (under torch pipelining the k finished
-        # units stay gathered beside it: `rel` is minus a unit)
-        return moment(g_k, where(gathers & exists, a_k - (k - 1) * a, _NEVER), buf("backward_copy_out") - k * rel)
+        # FSDP2 ZeRO-3: layer k's copy-out after layer k-1's post-backward (`a_k`: the activations at that end;
+        # under torch pipelining the k finished units stay gathered beside it: `rel` is minus a unit)
+        return moment(g_k, where(gathers & exists, a_k, _NEVER), buf("backward_copy_out") - k * rel)
 
     offloaded = act.offload_parts is not None
+
+    mixed = act.mixed_parts is not None
 
     def acts_at(k: Num) -> Num:
         if offloaded:  # the resident pair changes with the layer (plain or checkpointed; none left to reload)
             return where(more, act.offloaded_layer_at(k), act.backward_layer_bytes)
+        if mixed:  # plain and checkpointed layers: the saved sets above layer k, each its own
+            return where(more, act.mixed_at(k, "layer"), act.backward_layer_bytes)
         return act.backward_layer_bytes - where(more, k * a - act.layer_k_extra_bytes, 0)
+
+    def attn_at(k: Num) -> Num:
+        if mixed:
+            return where(more, act.mixed_at(k, "attention"), act.backward_attention_bytes)
+        return act.backward_attention_bytes - where(more, k * a, 0)
+
+    def post_at(k: Num) -> Num:  # layer k's end (k layers before it done), as `layer_end` and `copy_out` take it
+        if mixed:
+            return act.mixed_at(k, "post")
+        return act.backward_post_bytes - k * a
+
+    # the layers to look at beyond the first, second, last but one and last: where the resident pair of
+    # offloading changes, or where plain layers give way to checkpointed ones
+    switch = _switch_layers(act) if offloaded else mixed_layers(act) if mixed else ()
 
     bwd = [
         first_loss,
@@ -459,16 +478,16 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         # ... and a later layer's: k layers' activations freed and their gradients made (linear in k like the
         # layers' own moments); where the checkpoints are small next to a layer's gradients (full recompute of
         # eager attention) the last layer's is the highest (docs/validation.md rows 100, 116)
-        *[moment(attn_g + where(more, k * g, 0), act.backward_attention_bytes - where(more, k * a, 0),
+        *[moment(attn_g + where(more, k * g, 0), attn_at(k),
                  buf("backward_attention") + where(more, buf("backward_layer_next") - k * rel, 0)
-                 + where(k < n_l - 1, pre, 0)) for k in (1, k_last)],
+                 + where(k < n_l - 1, pre, 0)) for k in (1, k_last, *(switch if mixed else ()))],
         # (its post-backward reshards the layer before the reduce-scatter: ZeRO-2's release)
         moment(layer_g, act.backward_post_bytes, buf("backward_post") - rel + where(more, pre, 0)),
         if_later(moment(later_g, act.backward_later_post_bytes, buf("backward_post") - rel + where(more, pre, 0))),
         # FSDP2 ZeRO-3: a layer's copy-out after the previous one's post-backward, k layers' sharded gradients
         # made (under torch pipelining their unsharded ones; none of the layer's own yet): linear in k, so the
         # second layer's and the last's bound the others
-        *[copy_out(k, k * g, act.backward_post_bytes) for k in (1, k_last)],
+        *[copy_out(k, k * g, post_at(k - 1)) for k in (1, k_last)],
         moment(layer_g + where(more, g, 0), acts_at(1),
                buf("backward_layer") + where(more, buf("backward_layer_next") - rel, 0) + where(n_l > 2, pre, 0)),
         moment(layer_g + where(more, k_pen * g, 0), acts_at(k_pen),
@@ -479,15 +498,16 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         *[moment(layer_g + where(more, k * g, 0), acts_at(k),
                  buf("backward_layer") + where(more, buf("backward_layer_next") - k * rel, 0)
                  + where(k < n_l - 1, pre, 0))
-          for k in (_switch_layers(act) if offloaded else ())],
+          for k in switch],
         later_loss,
         first_copy_in,
         later_copy_in,
         if_later(moment(later_g, act.backward_later_layer_bytes, buf("backward_layer") + where(
             all_units > 0, all_units + rel, where(more, pre, 0)))),
-        *[if_later(copy_out(k, later_g, act.backward_later_post_bytes, later_regathers == 1)) for k in (1, k_last)],
-        *[layer_end(k, layer_g + k * g, act.backward_post_bytes) for k in (0, 1, k_pen, k_last)],
-        *[if_later(layer_end(k, later_g, act.backward_later_post_bytes)) for k in (0, 1, k_pen, k_last)],
+        *[if_later(copy_out(k, later_g, act.backward_later_post_bytes - (k - 1) * a, later_regathers == 1))
+          for k in (1, k_last)],
+        *[layer_end(k, layer_g + k * g, post_at(k)) for k in (0, 1, k_pen, k_last)],
+        *[if_later(layer_end(k, later_g, act.backward_later_post_bytes - k * a)) for k in (0, 1, k_pen, k_last)],
         drain(later_act, buf("backward")),
         drain(act.backward_later_layer_bytes, buf("backward_layer") + rel),
         drain(act.backward_later_post_bytes, buf("backward_layer_end") + rel),

@@ -15,7 +15,7 @@ torchtitan/models/llama3/train_configs/llama3_8b.toml / llama3_70b.toml / llama3
   bf16 with fp32 sharded params as the master copy), dtype bfloat16 (pure bf16, no master copy),
   enable_cpu_offload (FSDP CPUOffloadPolicy -> --offload params).
 - [activation_checkpoint] mode none | selective | full; selective_ac_option "op" (per-op policy) or an integer k
-  (every k-th layer fully checkpointed).
+  (every k-th layer fully checkpointed: --recompute-every k).
 - [optimizer] name Adam / AdamW, implementation for-loop | foreach | fused (default "fused") -> --optimizer-impl.
 """
 
@@ -276,10 +276,22 @@ def import_torchtitan(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
             imp.set("recompute", "full")
 
             def layers_rule(model: Any, merged: RunOptions, imp: Imported) -> None:
-                per_stage = -(-model.layers // merged.pp)
-                imp.set("recompute_layers", per_stage // every)
-                imp.notes.append(f"selective_ac_option {every}: every {every}th layer fully checkpointed: "
-                                 f"--recompute full --recompute-layers {per_stage // every}")
+                # torchtitan counts a rank's blocks over its model chunks (`_apply_layer_sac`); memcalc places them
+                # so for whole stages, and for interleaved chunks of a multiple of K layers (specs.resolve)
+                vpp = imp.values.get("vpp", merged.vpp)  # (the schedule's rule, above, has run)
+                chunks = merged.pp * vpp
+                dense = model.moe is not None and model.moe.first_dense_layers
+                if not dense and not merged.offload_activations and (
+                        vpp == 1 or (model.layers % chunks == 0 and (model.layers // chunks) % every == 0)):
+                    imp.set("recompute_every", every)
+                    imp.notes.append(f"selective_ac_option {every}: every {every}th layer fully checkpointed: "
+                                     f"--recompute full --recompute-every {every}")
+                    return
+                per_unit = -(-model.layers // chunks) // every
+                imp.set("recompute_layers", per_unit)
+                imp.notes.append(f"selective_ac_option {every}: every {every}th layer fully checkpointed, approximated "
+                                 f"by the first {per_unit} of each stage or chunk (--recompute-layers {per_unit}): "
+                                 "--recompute-every is not modelled for this layout")
 
             imp.deferred.append(layers_rule)
     else:

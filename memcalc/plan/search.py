@@ -146,7 +146,8 @@ def base_options(o: RunOptions) -> RunOptions:
     return dataclasses.replace(
         o, gpus=None, dp=None, tp=1, pp=1, vpp=1, cp=1, ep=1, sp=None, zero=0, offload="none", schedule=None,
         micro_batch=1, global_batch=None, grad_accum=None,
-        recompute="selective" if o.recompute_layers is not None else "none",
+        recompute="full" if o.recompute_every is not None else "selective" if o.recompute_layers is not None
+        else "none",
     )
 
 
@@ -277,7 +278,7 @@ def search(req: Request, progress: Progress | None = None, keep_closest: int = 3
         layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, seq=base.seq, global_batch=o.global_batch, gpus=gpus,
         gpus_per_node=hw.gpus_per_node, profile=base.profile, ep=o.ep, schedule=o.schedule,
         recompute_layers=o.recompute_layers, bounds=req.bounds, keep_logits=base.training.keep_logits,
-        cp_comm=base.cp_comm, mla=m.mla is not None,
+        cp_comm=base.cp_comm, mla=m.mla is not None, recompute_every=o.recompute_every,
     )
     rejected = dict(space.rejected)
     capacity = hw.memory_bytes

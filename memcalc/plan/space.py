@@ -40,6 +40,7 @@ RULES: dict[str, str] = {
     "tp_node": "tp exceeds the GPUs per node (give --tp explicitly to allow it)",
     "pp_layers": "pp exceeds the layers",
     "vpp_layers": "vpp > 1 needs pp > 1 and layers divisible by pp*vpp",
+    "recompute_every_chunks": "--recompute-every K with vpp > 1 needs model chunks of a multiple of K layers",
     "schedule": "vpp or pp conflicts with --schedule (interleaved needs vpp > 1, the others vpp = 1; pipedream "
                 "needs pp > 1)",
     "keep_logits_pp": "--keep-logits (the training loop's logits) needs pp = 1",
@@ -54,7 +55,8 @@ RULES: dict[str, str] = {
     "below_min_headroom": "fits, but leaves less free memory than --min-headroom",
     "pruned_micro_batch": "not kept: a smaller micro-batch of the same layout already exceeded the memory budget",
 }
-INVALID_LAYOUT_RULES: tuple[str, ...] = ("tp_heads", "tp_node", "pp_layers", "vpp_layers", "schedule",
+INVALID_LAYOUT_RULES: tuple[str, ...] = ("tp_heads", "tp_node", "pp_layers", "vpp_layers", "recompute_every_chunks",
+                                         "schedule",
                                          "keep_logits_pp", "cp_seq", "cp_a2a_heads", "cp_mla", "ep")
 
 
@@ -182,10 +184,15 @@ class Space:
         return int(self.tp.size)
 
 
-def _cat_axes(bounds: Bounds, recompute_layers: int | None) -> tuple[tuple[int, ...], tuple[str, ...],
-                                                                       tuple[bool, ...], tuple[str, ...]]:
+def _cat_axes(bounds: Bounds, recompute_layers: int | None, recompute_every: int | None = None
+              ) -> tuple[tuple[int, ...], tuple[str, ...], tuple[bool, ...], tuple[str, ...]]:
     zeros = bounds.zero if bounds.zero is not None else (0, 1, 2, 3)
     rcs = bounds.recompute if bounds.recompute is not None else RECOMPUTE_MODES
+    if recompute_every is not None:
+        if "full" not in rcs:
+            raise InputError(f"--recompute-every {recompute_every} needs --recompute full in the search (got "
+                             f"{', '.join(rcs)})")
+        rcs = ("full",)
     if recompute_layers is not None:
         if bounds.recompute is not None and "none" in bounds.recompute:
             raise InputError("--recompute-layers needs --recompute selective, op or full (not none)")
@@ -207,10 +214,10 @@ def _offload_ok(zero: int, offload: str, profile: str) -> bool:
 def enumerate_space(
     *, layers: int, heads: int, kv_heads: int, seq: int, global_batch: int, gpus: list[int], gpus_per_node: int,
     profile: str, ep: int, schedule: str | None, recompute_layers: int | None, bounds: Bounds,
-    keep_logits: str = "none", cp_comm: str = "p2p", mla: bool = False,
+    keep_logits: str = "none", cp_comm: str = "p2p", mla: bool = False, recompute_every: int | None = None,
 ) -> Space:
     """Every configuration within the bounds, with the count each rule rejects. See the module docstring."""
-    zeros, rcs, sps, offs = _cat_axes(bounds, recompute_layers)
+    zeros, rcs, sps, offs = _cat_axes(bounds, recompute_layers, recompute_every)
     all_combos = [Combo(z, r, s, o) for z, r, s, o in itertools.product(zeros, rcs, sps, offs)]
     combos = tuple(c for c in all_combos if _offload_ok(c.zero, c.offload, profile))
     n_cat = len(all_combos)
@@ -254,6 +261,7 @@ def enumerate_space(
         "tp_node": (TP > gpus_per_node) if bounds.tp is None else np.zeros(G.size, dtype=bool),
         "pp_layers": PP > layers,
         "vpp_layers": inter & ((PP == 1) | (layers % (PP * VPP) != 0)),
+        "recompute_every_chunks": inter & ((layers // (PP * VPP)) % (recompute_every or 1) != 0),
         "schedule": sched_bad,
         "keep_logits_pp": (PP > 1) if keep_logits != "none" else np.zeros(G.size, dtype=bool),
         "cp_seq": seq % CP != 0,

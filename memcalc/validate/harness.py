@@ -194,7 +194,8 @@ def run_rank(run: Run, rank: int, world_size: int, device: str, steps: int, warm
                           recompute_layers=t.recompute_layers, norm_impl=t.norm_impl, qkv_impl=t.qkv_impl,
                           gqa_impl=t.gqa_impl, loss_chunks=LOSS_CHUNKS if t.loss in ("chunked", "chunked-eager")
                           else 0, loss_chunk_size=LITGPT_CHUNK_TOKENS if t.loss == "lit-gpt" else 0,
-                          unit_starts=stage_starts(run, run.pp * run.vpp) if run.pp > 1 else (0,))
+                          unit_starts=stage_starts(run, run.pp * run.vpp) if run.pp > 1 else (0,),
+                          recompute_every=t.recompute_every)
             for mod in gpt.modules():
                 if isinstance(mod, RMSNorm):  # a fused kernel's intermediates are not allocations (_FusedRMSNorm)
                     mod.untracked = tracker.paused

@@ -584,15 +584,16 @@ class GPT(nn.Module):
     def __init__(self, m: ModelSpec, kernel: str = "flash", dropout: float = 0.0, recompute: str = "none",
                  recompute_layers: int | None = None, norm_impl: str = "fused", qkv_impl: str = "separate",
                  gqa_impl: str = "native", loss_chunks: int = 0, loss_chunk_size: int = 0,
-                 unit_starts: tuple[int, ...] = (0,)):
+                 unit_starts: tuple[int, ...] = (0,), recompute_every: int | None = None):
         super().__init__()
         self.embed: nn.Module | None = Embed(m, dropout)
         blocks = []
         for i in range(m.layers):
             # --recompute-layers K: the first K layers of each pipeline stage (each model chunk when interleaved;
-            # `unit_starts` are their first layers), Megatron's --recompute-method block
-            start = max(s for s in unit_starts if s <= i)
-            ck = recompute_layers is None or i - start < recompute_layers
+            # `unit_starts` are their first layers), Megatron's --recompute-method block; --recompute-every K:
+            # the K-th, 2K-th, ... of each (torchtitan's count over a rank's blocks; whole multiples of K a chunk)
+            j = i - max(s for s in unit_starts if s <= i)
+            ck = (j + 1) % recompute_every == 0 if recompute_every else recompute_layers is None or j < recompute_layers
             blk = Block(m, kernel, dropout, selective=recompute == "selective" and ck, norm_impl=norm_impl,
                         qkv_impl=qkv_impl, gqa_impl=gqa_impl,
                         dense=m.moe is not None and i < m.moe.first_dense_layers)
