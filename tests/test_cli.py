@@ -292,3 +292,16 @@ def test_table_times_the_offloaded_optimizer_step():
     code, out, err = cli(*args)
     assert code == 0, err
     assert "CPU optimizer step" not in out
+
+
+@pytest.mark.parametrize("flags,text", [
+    (["--recompute", "full", "--recompute-every", "2"], "recompute full (every 2nd layer)"),
+    (["--recompute", "full", "--recompute-layers", "3"], "recompute full (first 3 layers of each stage)"),
+    (["--recompute", "selective"], "recompute selective"),
+])
+def test_table_and_markdown_say_where_the_checkpoints_are(flags, text):
+    for fmt in ([], ["--format", "markdown"]):
+        code, out, err = cli("estimate", "--model", "llama-3.1-8b", "--gpus", "8", *flags, *fmt)
+        assert code == 0, err
+        flat = " ".join(out.split())
+        assert text in flat and text + " (" not in flat, out

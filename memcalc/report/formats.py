@@ -186,6 +186,18 @@ def render_csv(records: Iterable[dict[str, Any]], lead: tuple[str, ...] = ()) ->
 
 # --- markdown ----------------------------------------------------------------------------------------------------
 
+def recompute_text(tr: dict[str, Any]) -> str:
+    """`full`, or with the checkpointed layers placed: `full (first 2 layers of each stage)`, `full (every 2nd
+    layer)`."""
+    k, every = tr.get("recompute_layers"), tr.get("recompute_every")
+    if every is not None:
+        nth = {1: "", 2: "2nd ", 3: "3rd "}.get(every, f"{every}th ")
+        return f"{tr['recompute']} (every {nth}layer)"
+    if k is not None and tr["recompute"] != "none":
+        return f"{tr['recompute']} (first {'layer' if k == 1 else f'{k} layers'} of each stage)"
+    return str(tr["recompute"])
+
+
 def _n(b: int, units: str) -> str:
     return f"{b / UNIT_BYTES[units]:,.2f}"
 
@@ -200,7 +212,7 @@ def render_markdown(est: Estimate, units: str = "GiB") -> str:
                + (f" ({par['cp_comm']})" if par["cp"] > 1 else "") + f" · ZeRO-{par['zero']}"
                + (f" · offload {par['offload']}" if par["offload"] != "none" else "")
                + f" · seq {tr['seq']} · micro-batch {tr['micro_batch']} · grad-accum {tr['grad_accum']} · "
-               f"{tr['precision']} · {tr['optimizer']} · recompute {tr['recompute']}")
+               f"{tr['precision']} · {tr['optimizer']} · recompute {recompute_text(tr)}")
     out += ["", f"| component | {units} |", "|---|---:|"]
     for c in COMPONENTS:
         val = "n/a (not modelled yet)" if c in mem.not_modelled else _n(mem.components.get(c, 0), units)

@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from memcalc.cost.estimate import Advice, Estimate
+from memcalc.report.formats import recompute_text
 from memcalc.specs import Run
 from memcalc.units import UNIT_BYTES, format_bytes, format_count
 
@@ -110,7 +111,7 @@ def render_estimate(est: Estimate, run: Run, units: str = "GiB", explain: bool =
               + f" · ZeRO-{par['zero']}" + (f" · offload {par['offload']}" if par['offload'] != "none" else ""))
     batch = (f"seq {tr['seq']} · micro-batch {tr['micro_batch']} · grad-accum {tr['grad_accum']} · "
              f"global batch {tr['global_batch']} ({tr['tokens_per_step']:,} tokens/step) · {tr['precision']} · "
-             f"{tr['optimizer']} ({inp['recipe']['optimizer_impl']}) · recompute {tr['recompute']} · "
+             f"{tr['optimizer']} ({inp['recipe']['optimizer_impl']}) · recompute {recompute_text(tr)} · "
              f"attention {tr['attention']}" + (" · GQA K/V expanded" if tr.get("gqa_impl") == "expand" else ""))
     con.print(layout)
     con.print(batch)
