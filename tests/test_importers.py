@@ -477,9 +477,8 @@ def test_torchtitan_shard_minus_one_without_gpus_assumes_a_node(tmp_path):
     assert o.gpus == 8 and any("--gpus" in n for n in o.import_report.needs_value)
 
 
-def test_torchtitan_70b_tp_pp_and_layer_ac(tmp_path):
-    # torchtitan llama3_70b.toml with 8-way TP, plus PP with an interleaved schedule and layer-wise AC every 2nd layer
-    toml = """
+# torchtitan llama3_70b.toml with 8-way TP, plus PP with an interleaved schedule and layer-wise AC every K-th layer
+TT_70B_LAYER_AC = """
 [model]
 name = "llama3"
 flavor = "70B"
@@ -497,8 +496,12 @@ pipeline_parallel_layers_per_stage = 10
 enable_async_tensor_parallel = true
 [activation_checkpoint]
 mode = "selective"
-selective_ac_option = "2"
+selective_ac_option = "{k}"
 """
+
+
+def test_torchtitan_70b_tp_pp_and_layer_ac(tmp_path):
+    toml = TT_70B_LAYER_AC.format(k=2)
     p = tmp_path / "llama3_70b.toml"
     p.write_text(toml)
     imported = build_run(RunOptions(torchtitan_config=str(p)))
@@ -515,25 +518,7 @@ def test_torchtitan_layer_ac_over_chunks_of_another_size(tmp_path):
     """selective_ac_option = 3 over interleaved chunks of 10 layers: torchtitan's count runs over a rank's chunks, so
     the chunks' patterns differ, which --recompute-every does not model; the importer falls back to the block
     method's count per chunk (10 // 3 = 3 layers) and says so."""
-    toml = """
-[model]
-name = "llama3"
-flavor = "70B"
-[training]
-local_batch_size = 8
-global_batch_size = 64
-seq_len = 8192
-[parallelism]
-data_parallel_shard_degree = 2
-tensor_parallel_degree = 8
-pipeline_parallel_degree = 4
-pipeline_parallel_schedule = "Interleaved1F1B"
-pipeline_parallel_microbatch_size = 2
-pipeline_parallel_layers_per_stage = 10
-[activation_checkpoint]
-mode = "selective"
-selective_ac_option = "3"
-"""
+    toml = TT_70B_LAYER_AC.format(k=3)
     p = tmp_path / "llama3_70b.toml"
     p.write_text(toml)
     o = apply_imports(RunOptions(torchtitan_config=str(p)))

@@ -1108,8 +1108,9 @@ class StageActivations:
 
     def mixed_at(self, k: Num, kind: str) -> Num:
         """Plain and checkpointed layers in one unit: activations at a moment of the backward of the unit's k-th
-        layer from the last (k >= 1), `kind` "layer" (its MLP's), "attention" (its core's) or "post" (its end),
-        with the layers above it freed layer by layer (`_mixed_at`)."""
+        layer from the last, `kind` "layer" (its MLP's), "attention" (its core's) or "post" (its end), with the
+        layers above it freed layer by layer (`_mixed_at`). The "layer" moment of k = 0 is `backward_layer_bytes`
+        (its incoming gradient may be in torch pipelining's receive buffer)."""
         assert self.mixed_parts is not None
         return _mixed_at(self.mixed_parts, k, kind)
 
@@ -1124,7 +1125,7 @@ def _mixed_at(parts: tuple[Any, ...], k: Num, kind: str) -> Num:
     """base (everything held once the loss terms are freed) less the saved sets of the k layers above the k-th
     from the last, plus that layer's moment: a plain layer's transient, or a checkpointed one's re-run set (net of
     what it kept) and transient. Checkpointed: the first `ck` of the unit (block method), or those whose 1-based
-    position is a multiple of `every` (--recompute-every); `top` plain layers come before the first of them."""
+    position is a multiple of `every` (--recompute-every)."""
     base, n, ck, every, plain, kept, moments = parts
     if every is None:
         ck_above = imax(k - (n - ck), 0)
