@@ -469,6 +469,12 @@ def a2a_cp_limit(model: ModelSpec, tp: int) -> int:
     return math.gcd(model.heads // tp, model.kv_heads // tp)
 
 
+def every_fits_chunks(layers: int, pp: int, vpp: int, k: int) -> bool:
+    """--recompute-every K over pp x vpp model chunks: a rank counts its layers over its chunks (torchtitan), so
+    memcalc takes interleaving with whole chunks of a multiple of K layers only (each chunk's pattern the same)."""
+    return vpp == 1 or (layers % (pp * vpp) == 0 and (layers // (pp * vpp)) % k == 0)
+
+
 def _divisors_text(n: int, limit: int = 12) -> str:
     ds = [d for d in range(1, n + 1) if n % d == 0]
     return ", ".join(map(str, ds[:limit])) + (", ..." if len(ds) > limit else "")
@@ -513,8 +519,7 @@ def resolve(
     if vpp > 1 and pp == 1:
         raise InputError("--vpp > 1 needs --pp > 1 (virtual stages interleave pipeline stages)")
     k = t.recompute_every
-    if vpp > 1 and k is not None and (m.layers % (pp * vpp) or (m.layers // (pp * vpp)) % k):
-        # a rank counts its layers over its model chunks: whole multiples of K keep every chunk's pattern the same
+    if k is not None and not every_fits_chunks(m.layers, pp, vpp, k):
         raise InputError(f"--recompute-every {k} with --pp {pp} --vpp {vpp} is modelled for chunks of a multiple of "
                          f"{k} layers ({m.layers} layers over {pp * vpp} chunks); use --recompute-layers")
     if t.seq % cp:

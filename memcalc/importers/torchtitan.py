@@ -27,6 +27,7 @@ from typing import Any
 from memcalc.errors import InputError
 from memcalc.importers import Imported, as_int, read_text
 from memcalc.options import RunOptions
+from memcalc.specs import every_fits_chunks
 
 FLAG = "--torchtitan-config"
 
@@ -279,15 +280,14 @@ def import_torchtitan(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
                 # torchtitan counts a rank's blocks over its model chunks (`_apply_layer_sac`); memcalc places them
                 # so for whole stages, and for interleaved chunks of a multiple of K layers (specs.resolve)
                 vpp = imp.values.get("vpp", merged.vpp)  # (the schedule's rule, above, has run)
-                chunks = merged.pp * vpp
                 dense = model.moe is not None and model.moe.first_dense_layers
-                if not dense and not merged.offload_activations and (
-                        vpp == 1 or (model.layers % chunks == 0 and (model.layers // chunks) % every == 0)):
+                if not dense and not merged.offload_activations and every_fits_chunks(model.layers, merged.pp,
+                                                                                       vpp, every):
                     imp.set("recompute_every", every)
                     imp.notes.append(f"selective_ac_option {every}: every {every}th layer fully checkpointed: "
                                      f"--recompute full --recompute-every {every}")
                     return
-                per_unit = -(-model.layers // chunks) // every
+                per_unit = -(-model.layers // (merged.pp * vpp)) // every
                 imp.set("recompute_layers", per_unit)
                 imp.notes.append(f"selective_ac_option {every}: every {every}th layer fully checkpointed, approximated "
                                  f"by the first {per_unit} of each stage or chunk (--recompute-layers {per_unit}): "
