@@ -117,7 +117,7 @@ def test_model_states_count_one_steps_gradients_whatever_the_steps():
     run = run_of(**TINY, precision="fp32")
     rep = validate(run, device="cpu", world="fake", steps=3, tolerance=0.03, timeout=120)
     assert rep["measured"]["model_states"]["grads"] == 4 * P
-    assert rep["measured"]["model_states"]["params"] == 4 * P and rep["schema_version"] == "1.3"
+    assert rep["measured"]["model_states"]["params"] == 4 * P and rep["schema_version"] == "1.4"
 
 
 def test_zero1_all_reduce_and_broadcast():
@@ -309,6 +309,14 @@ def test_components_of_two_different_peak_moments_are_not_misses():
     assert not mark_other_moment(r, -0.0013, 0.03) and r[1]["verdict"] == "miss"
     r = rows((154_389_504, 4), (184_321_536, 340_288_796))
     assert not mark_other_moment(r, -0.10, 0.03) and r[0]["verdict"] == "miss"
+    # the same gradients and optimizer state on both sides: one moment filed differently (`split`), e.g. a full
+    # recompute's re-run set and weight casts, activations to memcalc and backward temporaries to the tracker
+    states = [{"section": "peak_components", "name": n, "predicted": 3_147_776, "measured": 3_147_776,
+               "verdict": "exact"} for n in ("grads", "master_weights", "optimizer")]
+    r = rows((154_389_504, 4), (184_321_536, 340_288_796)) + states
+    assert not mark_other_moment(r, -0.0013, 0.03) and [x["verdict"] for x in r[:2]] == ["split", "split"]
+    r = rows((154_389_504, 4), (184_321_536, 340_288_796)) + [{**states[0], "measured": 160_000_000}] + states[1:]
+    assert mark_other_moment(r, -0.0013, 0.03) and r[0]["verdict"] == "moment"
     # 0 predicted against 4 stray bytes is one moment: the component rows stay what they are
     r = rows((0, 4), (545_100_288, 389_134_624))
     assert not mark_other_moment(r, 0.0, 0.03) and r[1]["verdict"] == "miss"

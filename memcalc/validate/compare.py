@@ -14,7 +14,7 @@ from typing import Any
 
 # 1.1: `cuda` (the GPU's counters; on a GPU the headline error is theirs), allocator replay; 1.2: `seq_lengths`
 # (--seq-lengths), and `model_states.grads` counts one step's gradients whatever --steps
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 CATEGORIES = ("params", "master_weights", "grads", "optimizer", "activations", "buffers")
 GPU_ONLY_BUFFERS = ("cublas_workspaces", "te_cublas_workspace")
 # A point-to-point transfer is one `send/recv` of the rank that sends it (the prediction counts the bytes a GPU
@@ -198,19 +198,27 @@ def compare_collectives(pred: dict[str, Any], meas: dict[str, Any], world_size: 
 def mark_other_moment(rows: list[dict[str, Any]], total_error: float | None, tolerance: float) -> bool:
     """Where the totals agree but the activations live at the two peaks do not, the measured peak is another moment
     than the predicted one (e.g. the end of backward, activations freed, against the loss gradient) and its
-    components describe that moment: their `miss` rows become `moment` (the phase and total rows stay the test).
-    Returns whether it did."""
+    components describe that moment: their `miss` rows become `moment` (the phase and total rows stay the test);
+    with the same gradients and optimizer state on both sides they become `split` (one moment, filed differently).
+    Returns whether the moments differ."""
     comp = {r["name"]: r for r in rows if r["section"] == "peak_components"}
     total = next((r["measured"] for r in rows if r["section"] == "total"), 0)
     acts = comp.get("activations")
     # the activations must differ by a share of the peak, not by a few stray bytes (4 B against 0 is one moment)
     differ = (total_error is not None and abs(total_error) <= tolerance and acts is not None
               and acts["verdict"] == "miss" and abs(acts["predicted"] - acts["measured"]) > tolerance * total)
+    # ... unless both hold the same model states (gradients made, optimizer state) and the activations and buffers
+    # together agree: then it is one moment whose split differs, memcalc counting what backward allocates (layer
+    # transients, a recomputed layer's set and weight casts) as activations where the tracker files it as
+    # backward temporaries or compute copies (buffers): `split`
+    states = [comp.get(k) for k in ("grads", "master_weights", "optimizer")]
+    same = differ and all(r is not None for r in states) and all(
+        abs(r["predicted"] - r["measured"]) <= tolerance * total for r in states)
     if differ:
         for r in comp.values():
             if r["verdict"] == "miss":
-                r["verdict"] = "moment"
-    return differ
+                r["verdict"] = "split" if same else "moment"
+    return differ and not same
 
 
 def compare(est: Any, meas: dict[str, Any], device: str, tolerance: float,
@@ -275,5 +283,6 @@ def compare(est: Any, meas: dict[str, Any], device: str, tolerance: float,
         "tolerance": tolerance,
         "within_tolerance": err is not None and abs(err) <= tolerance,
         "peak_moments_differ": moments_differ,
+        "peak_split_differs": any(r["verdict"] == "split" for r in rows),
         **(extra or {}),
     }
