@@ -305,3 +305,10 @@ def test_table_and_markdown_say_where_the_checkpoints_are(flags, text):
         assert code == 0, err
         flat = " ".join(out.split())
         assert text in flat and text + " (" not in flat, out
+
+
+def test_ordinals_in_the_header():
+    from memcalc.report.formats import ordinal
+
+    assert [ordinal(n) for n in (2, 3, 4, 11, 12, 13, 21, 22, 101, 111)] == [
+        "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st", "111th"]

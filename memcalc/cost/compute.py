@@ -32,6 +32,7 @@ from typing import Any
 
 from memcalc.cost.params import (
     attention_matrix_shapes,
+    checkpointed_layers,
     dense_layer_run,
     first_dense_layers,
     lora_layer_params,
@@ -156,30 +157,17 @@ def model_flops_per_token(run: Run) -> int:
 def recomputed_layers(run: Run) -> Num:
     """Layers whose forward is replayed in backward, summed over pipeline stages: all of them, or with
     `recompute_layers = k` the first k layers of every stage (Megatron `--recompute-method block`), with
-    `recompute_every = k` every k-th layer of every stage (torchtitan)."""
-    if run.training.recompute == "none":
-        return 0 * run.pp
-    k = run.training.recompute_layers
-    every = run.training.recompute_every
-    if k is None and every is None:
-        return run.model.layers + 0 * run.pp
-    m, pp = run.model, run.pp
+    `recompute_every = k` every k-th layer of every stage (torchtitan; params.checkpointed_layers)."""
+    t, m, pp = run.training, run.model, run.pp
     base = m.layers // pp
-    extra = m.layers % pp  # the first `extra` stages hold base + 1 layers (params.stage_layers)
-    if every is not None:
-        return extra * ((base + 1) // every) + (pp - extra) * (base // every)
-    return extra * imin(k, base + 1) + (pp - extra) * imin(k, base)
+    extra = m.layers % pp  # `extra` stages hold base + 1 layers (params.stage_layers)
+    return (extra * checkpointed_layers(t.recompute, t, base + 1)
+            + (pp - extra) * checkpointed_layers(t.recompute, t, base))
 
 
 def stage_recomputed_layers(run: Run, stage: Num) -> Num:
     """Recomputed layers of one pipeline stage (used by the TP/CP/EP collective counts)."""
-    n = stage_layers(run, stage)
-    if run.training.recompute == "none":
-        return 0 * n
-    k = run.training.recompute_layers
-    if run.training.recompute_every is not None:
-        return n // run.training.recompute_every
-    return n if k is None else imin(k, n)
+    return checkpointed_layers(run.training.recompute, run.training, stage_layers(run, stage))
 
 
 def recompute_flops_per_token(run: Run) -> Num:

@@ -284,14 +284,14 @@ def import_torchtitan(ref: str, o: RunOptions, explicit: set[str]) -> Imported:
                 if not dense and not merged.offload_activations and every_fits_chunks(model.layers, merged.pp,
                                                                                        vpp, every):
                     imp.set("recompute_every", every)
-                    imp.notes.append(f"selective_ac_option {every}: every {every}th layer fully checkpointed: "
+                    imp.notes.append(f"selective_ac_option {every}: every {every}-th layer fully checkpointed: "
                                      f"--recompute full --recompute-every {every}")
                     return
                 per_unit = -(-model.layers // (merged.pp * vpp)) // every
                 imp.set("recompute_layers", per_unit)
-                imp.notes.append(f"selective_ac_option {every}: every {every}th layer fully checkpointed, approximated "
-                                 f"by the first {per_unit} of each stage or chunk (--recompute-layers {per_unit}): "
-                                 "--recompute-every is not modelled for this layout")
+                imp.notes.append(f"selective_ac_option {every}: every {every}-th layer fully checkpointed, "
+                                 f"approximated by the first {per_unit} of each stage or chunk (--recompute-layers "
+                                 f"{per_unit}): --recompute-every is not modelled for this layout")
 
             imp.deferred.append(layers_rule)
     else:

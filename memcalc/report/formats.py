@@ -186,13 +186,18 @@ def render_csv(records: Iterable[dict[str, Any]], lead: tuple[str, ...] = ()) ->
 
 # --- markdown ----------------------------------------------------------------------------------------------------
 
+def ordinal(n: int) -> str:
+    """2nd, 3rd, 4th, 11th, 21st."""
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def recompute_text(tr: dict[str, Any]) -> str:
     """`full`, or with the checkpointed layers placed: `full (first 2 layers of each stage)`, `full (every 2nd
     layer)`."""
     k, every = tr.get("recompute_layers"), tr.get("recompute_every")
     if every is not None:
-        nth = {1: "", 2: "2nd ", 3: "3rd "}.get(every, f"{every}th ")
-        return f"{tr['recompute']} (every {nth}layer)"
+        return f"{tr['recompute']} (every {ordinal(every) + ' ' if every > 1 else ''}layer)"
     if k is not None and tr["recompute"] != "none":
         return f"{tr['recompute']} (first {'layer' if k == 1 else f'{k} layers'} of each stage)"
     return str(tr["recompute"])

@@ -274,15 +274,11 @@ def stage_starts(run: Run, n_stages: int) -> tuple[int, ...]:
 def split_stage(model: GPT, stage: int, pp: int, run: Run) -> GPT:
     """Keep the layers of `stage` (split as the profile's framework splits them, memcalc/cost/params.py), the
     embedding on the first stage and the final norm + head on the last; a tied head gets its own copy."""
-    from memcalc.cost.params import stage_layers
-
-    L = run.model.layers
-    counts = [int(stage_layers(run, s, pp)) for s in range(pp)]
-    start = sum(counts[:stage])
-    keep = {str(i) for i in range(start, start + counts[stage])}
+    starts = stage_starts(run, pp) + (run.model.layers,)
+    keep = {str(i) for i in range(starts[stage], starts[stage + 1])}
     for name in [n for n in model.layers.keys() if n not in keep]:
         del model.layers[name]
-    assert len(model.layers) == counts[stage] and L == sum(counts)
+    assert len(model.layers) == starts[stage + 1] - starts[stage]
     if stage != 0:
         if model.head is not None and run.model.tied_embeddings:
             model.head.out.weight = nn.Parameter(model.head.out.weight.detach().clone())
