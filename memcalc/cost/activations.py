@@ -2287,6 +2287,11 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     later_head, head_dw = _later_head_backward(run, stage, held_later + w_last + sent) if not off else (_NEVER, 0)
     detail["later_head_weight_grad_transient"] = where(total_units > 1, head_dw, 0)
     one_layer = 0 if off else unit_bytes // imax(unit_layers, 1)  # a layer's share of what `held` counts
+    # the forward's last layer, not yet run at its own moments: its saved set, plain or a checkpoint, where the unit
+    # mixes them (--recompute-layers / --recompute-every), not the average layer's share
+    last_layer = one_layer
+    if mode in ("full", "op") and not off and (tr.recompute_layers is not None or tr.recompute_every is not None):
+        last_layer = where(last_plain, plain_bytes, kept_bytes)
     # offloading: the k-th layer backward (`StageActivations.offloaded_layer_at`) holds that layer's set and the
     # previous layer's, plain or checkpointed; the first (k = 0) is `backward_layer_bytes`
     # the layers' moments: everything held but what the loss and LM head free
@@ -2328,7 +2333,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         core_fwd = eager_attention_forward(run, plain, "none")
         if mode != "none":
             core_fwd = where(last_plain, core_fwd, eager_attention_forward(run, ck_terms, mode))
-        attn_fwd = base - one_layer + w_prev + core_fwd
+        attn_fwd = base - last_layer + w_prev + core_fwd
     pair = w_last + w_prev
     # bitsandbytes' quantized linears keep their inputs on `ctx` until the graph is dropped
     # (`graph_held_layer_bytes`): a layer's backward frees the rest of its set, and one micro-batch's held inputs
@@ -2378,7 +2383,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         layer_k_extra_bytes=layer_k_extra,
         drain_less_bytes=where(total_units > units, freed, 0),
         forward_head_bytes=base + w_last + where(last, _head_moment(run, logits, dq_head_fwd), 0),
-        forward_layer_bytes=base - one_layer + w_prev,
+        forward_layer_bytes=base - last_layer + w_prev,
         forward_first_layer_bytes=_first_layer_copy_out(run, stage),
         forward_attention_bytes=attn_fwd,
         forward_layer_end_bytes=base + pair + layer_out,
