@@ -717,7 +717,8 @@ def test_array_form_equals_scalar(schedule, profile, model, recompute, attention
         want = stage_activations(r, s)
         for f in ("held_bytes", "forward_bytes", "backward_first_bytes", "backward_later_bytes", "in_flight",
                   "backward_layer_bytes", "host_bytes", "forward_head_bytes", "forward_layer_end_bytes",
-                  "backward_later_layer_bytes", "loss_stranded_bytes"):
+                  "backward_later_layer_bytes", "loss_stranded_bytes", "forward_layer_bytes",
+                  "forward_checkpointed_mlp_bytes", "forward_checkpointed_down_bytes"):
             assert int(np.broadcast_to(getattr(got, f), arr_stage.shape)[i]) == int(getattr(want, f)), (f, i)
         if off:
             for k in (1, 3, 5):

@@ -142,9 +142,9 @@ SIMUMAX = [
 ]
 
 _TP_2D = ("the caching allocator's, not a missing tensor: memcalc's harness allocates memcalc's allocated peak for "
-          "this layout and the default policy replayed over its allocations reserves 72.10 GiB (+0.3%); the "
+          "this layout and the default policy replayed over its allocations reserves 71.85 GiB (-0.1%); the "
           "closed form's slack leaves out the layers' 2 GiB blocks (SP all-gathered inputs, row-parallel outputs: "
-          "16 segments, 8.7 GiB of them free at the loss gradient) that the loss's 7.8 GiB logit-sized blocks "
+          "16 segments, 8.5 GiB of them free at the loss gradient) that the loss's 7.8 GiB logit-sized blocks "
           "cannot use (docs/data/torchtitan-replay.json); the run with AsyncTP, which changes how those in-block "
           "collectives allocate, measured 4.3 GiB less")
 

@@ -5,11 +5,11 @@ Published figures: pytorch/torchtitan `benchmarks/llama3_h100_202412_torchtitan.
 max over ranks of `max_memory_reserved` (docs/published-measurements.md, section 2). Findings:
 - the harness allocates memcalc's allocated peak for every row (cuBLAS's workspaces aside), so whatever separates
   memcalc's reserved figure from the replay's is the allocator, not a missing tensor;
-- under the allocator's default policy the replay lands within 0.4% of the two eager rows (Tables 1 and 3) and of
-  the FSDP x TP row (Table 4), where `expandable_segments:True` lands 3.6-4.4% below the eager rows and 9.1% above
+- under the allocator's default policy the replay lands within 0.5% of the two eager rows (Tables 1 and 3) and of
+  the FSDP x TP row (Table 4), where `expandable_segments:True` lands 3.6-4.4% below the eager rows and 7.9% above
   Table 4;
 - Table 4's gap to the closed form is the layers' 2 GiB blocks (SP all-gathered inputs, row-parallel outputs):
-  16 segments of them, of which 8.7 GiB are free at the loss gradient, where the 7.8 GiB logit-sized blocks of the
+  16 segments of them, of which 8.5 GiB are free at the loss gradient, where the 7.8 GiB logit-sized blocks of the
   loss cannot use them.
 """
 
@@ -71,25 +71,26 @@ def test_harness_allocates_memcalcs_peak(case):
 
 def test_default_policy_replay_meets_the_published_rows():
     # Tables 1 and 3 (eager blocks, as the harness runs them) and Table 4 (compiled blocks: the loss, eager, is its
-    # peak): the default policy within 0.5% (-0.4%, +0.1%, +0.3%), expandable segments 3.6-4.4% low on the eager rows, 9.1% high on Table 4
+    # peak): the default policy within 0.5% (-0.4%, +0.1%, -0.1%), expandable segments 3.6-4.4% low on the eager
+    # rows and 7.9% high on Table 4
     for case in (T1, T3, T4):
         assert abs(_error(ROWS[case], "replay_default_reserved_bytes")) < 0.005, case
     for case in (T1, T3):
         assert -0.045 < _error(ROWS[case], "replay_expandable_reserved_bytes") < -0.035, case
-    assert _error(ROWS[T4], "replay_expandable_reserved_bytes") > 0.09
+    assert _error(ROWS[T4], "replay_expandable_reserved_bytes") > 0.07
 
 
 def test_table4_gap_is_the_layers_blocks_the_loss_cannot_use():
     seg = ROWS[T4]["segments_at_peak"]
     n, reserved, used = seg[str(2 * GIB)]  # the layers' 2 GiB blocks: 131,072 tokens x 8,192 x 2 B
     assert (n, reserved) == (16, 32 * GIB)
-    assert 8.5 * GIB < reserved - used < 9 * GIB
+    assert 8.4 * GIB < reserved - used < 8.6 * GIB
     # the loss's fp32 logit-sized blocks (131,072 x 16,032 x 4 B, rounded to 2 MiB): all four in use; the bf16
     # logits' block beside them free (memcalc's `loss_stranded_logits`)
     fp32_logits = -(-131072 * 16032 * 4 // (2 << 20)) * (2 << 20)
     assert seg[str(fp32_logits)] == [4, 4 * fp32_logits, 4 * fp32_logits]
     assert seg[str(fp32_logits // 2)] == [1, fp32_logits // 2, 0]
-    # which is what the closed form's 3% slack leaves out: the replay is 7.2 GiB above it
+    # which is what the closed form's 3% slack leaves out: the replay is 6.9 GiB above it
     gap = ROWS[T4]["replay_default_reserved_bytes"] - ROWS[T4]["estimate_default_reserved_bytes"]
     assert 0.75 * (reserved - used) < gap < reserved - used
 

@@ -1055,6 +1055,11 @@ class StageActivations:
     forward_head_bytes: Num
     # eager attention's core in that last layer's forward (`eager_attention_forward`; _NEVER where not modelled)
     forward_attention_bytes: Num
+    # a fully checkpointed last layer's MLP in its forward, which saves nothing: its working set on top of all held,
+    # at the activation (the SwiGLU product) and at the down projection's output (`checkpointed_mlp_forward`;
+    # _NEVER where the last layer keeps its saved set or where not modelled)
+    forward_checkpointed_mlp_bytes: Num
+    forward_checkpointed_down_bytes: Num
     # FSDP2 ZeRO-2 or 3 (pp = 1): the first layer's copy-out, the root's all-gather output still live; only the
     # embedding's output and saved terms exist yet (`_first_layer_copy_out`; _NEVER elsewhere)
     forward_first_layer_bytes: Num
@@ -1534,6 +1539,46 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed
         moment = moment + _residual_grad_bytes(run)
     # context parallelism exchanges K/V (ring) or Q/K/V (all-to-all) inside the core: not derived here
     return where(run.cp > 1, _NEVER, moment)
+
+
+def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]:
+    """A fully checkpointed layer's MLP in forward, beyond what is held when the layer starts (its input, the
+    checkpoint, among it): (at the activation, at the down projection). The checkpoint's forward saves nothing, so
+    each op's output lives only as long as the code references it (torch.utils.checkpoint, non-reentrant: its
+    saved-tensor hooks keep no tensor). Throughout: the attention half's sum (the MLP norm's input; a fused norm's
+    fp32 statistics with it: `plain["mlp_norm"]`) and the norm output, the MLP's argument, in the stream's dtype
+    (fp32 under autocast, whose linears cast it for each matmul and free the cast); under SP its shard, held by the
+    caller, and its all-gather. At the SwiGLU product `silu(gate(x)) * up(x)`: silu's output, up's and the product,
+    3 c tok f/t (GELU, at the activation: its input and output, 2 c tok f/t). At the down projection: the product,
+    the projection's output c tok h (partial under TP) and the collective's new tensor, an all-reduce's output
+    c tok h or, under SP, the reduce-scatter's concatenated input c tok h and its output c tok_sp h
+    (`_mlp_forward_extra`). Under autocast the down projection's weight copy is made between the two
+    (timeline, `buffers.amp_casts_after_last_mlp`). Derived from the harness's op order (Hugging Face's and
+    torchtitan's MLPs have the same) and measured by it (tests/test_validate.py). Without them the forward phase of
+    a fully recomputed model whose loss is small was 1-12% low (a 4-layer toy, vocab 512), 59% at Llama-3.1-70B's
+    width over TP 8 + SP. `_NEVER` (not modelled) for MoE, MLA, parallel blocks, LoRA, quantized bases, dropout,
+    context parallelism, and the DeepSpeed and Megatron profiles (Megatron's MLP is fused; the harness runs the
+    torch profile only)."""
+    m, t = run.model, run.training
+    if (run.profile != "torch" or m.moe is not None or m.mla is not None or m.block != "sequential"
+            or t.lora_rank is not None or t.base_dtype is not None or run.dropout > 0):
+        return _NEVER, _NEVER
+    c, tok, tok_sp, _ = _shape(run)
+    h, f_t = m.hidden, cdiv(m.ffn, run.tp)
+    stream = _stream_bytes(run, c)
+    # the attention half's sum (with a fused norm's statistics), and the norm output: its shard and, under SP, the
+    # all-gather the column-parallel linears read
+    if t.norm_impl == "fp32" and m.norm == "rmsnorm":
+        held = 2 * stream * tok_sp * h  # eager: its statistics and fp32 copies are freed; the output is cast back
+    else:
+        held = plain["mlp_norm"] + stream * tok_sp * h
+    held = held + (where(run.tp > 1, stream * tok * h, 0) if run.sp else 0)
+    width = c * tok * f_t
+    at_act = held + (3 if m.mlp == "swiglu" else 2) * width
+    out = c * tok * h
+    collective = where(run.tp > 1, c * (tok + tok_sp) * h if run.sp else out, 0)
+    at_down = held + width + out + collective
+    return where(run.cp > 1, _NEVER, at_act), where(run.cp > 1, _NEVER, at_down)
 
 
 def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
@@ -2334,6 +2379,12 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         if mode != "none":
             core_fwd = where(last_plain, core_fwd, eager_attention_forward(run, ck_terms, mode))
         attn_fwd = base - last_layer + w_prev + core_fwd
+    # a fully checkpointed last layer's MLP (its no-grad forward), on top of everything held with its input
+    ck_mlp_fwd = ck_down_fwd = _NEVER
+    if mode == "full" and not off:
+        at_act, at_down = checkpointed_mlp_forward(run, plain)
+        ck_mlp_fwd = where(last_plain, _NEVER, base + w_prev + at_act)
+        ck_down_fwd = where(last_plain, _NEVER, base + w_prev + at_down)
     pair = w_last + w_prev
     # bitsandbytes' quantized linears keep their inputs on `ctx` until the graph is dropped
     # (`graph_held_layer_bytes`): a layer's backward frees the rest of its set, and one micro-batch's held inputs
@@ -2386,6 +2437,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         forward_layer_bytes=base - last_layer + w_prev,
         forward_first_layer_bytes=_first_layer_copy_out(run, stage),
         forward_attention_bytes=attn_fwd,
+        forward_checkpointed_mlp_bytes=ck_mlp_fwd,
+        forward_checkpointed_down_bytes=ck_down_fwd,
         forward_layer_end_bytes=base + pair + layer_out,
         backward_post_bytes=post,
         backward_later_post_bytes=where(total_units > 1, post - held + held_later + sent + late_dw, _NEVER),

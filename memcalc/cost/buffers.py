@@ -372,6 +372,18 @@ def amp_layer_casts_freed(run: Run) -> Num:
     return _amp_copies_held(run) * DTYPE_BYTES[run.recipe.compute_dtype] * mats
 
 
+def amp_casts_after_last_mlp(run: Run, stage: Num, casts: Num) -> tuple[Num, Num]:
+    """Of the forward's autocast copies (`_amp_casts`, `casts` bytes on this stage), those not yet made (at the
+    stage's last layer's MLP activation, at its down projection): its down projection's weight (and bias), made
+    between the two, and, on the last stage, the LM head's, made after both (`activations.checkpointed_mlp_forward`).
+    Measured by the harness (tests/test_validate.py)."""
+    m = run.model
+    down = scaled(run, m.hidden * (m.ffn // run.tp) + (m.hidden if m.linear_bias else 0))
+    head = where(stage == run.pp - 1, scaled(run, head_params(m, run.profile, run.tp)), 0)
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
+    return where(casts > 0, c * (down + head), 0), where(casts > 0, c * head, 0)
+
+
 def amp_head_cast_freed(run: Run) -> Num:
     """Of `_amp_casts`' saved copies, the LM head's (its weight and bias), which the head's backward frees before
     any layer's backward moment; 0 where the head is frozen or quantized. Measured: docs/validation.md rows

@@ -31,6 +31,7 @@ from typing import Any
 
 from memcalc.cost.activations import _NEVER, loop_holds_graph, mixed_layers, stage_activations
 from memcalc.cost.buffers import (
+    amp_casts_after_last_mlp,
     amp_casts_freed_at_attention,
     amp_head_cast_freed,
     amp_layer_casts_freed,
@@ -175,6 +176,12 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
     for ph in ("backward_layer", "backward_post"):
         at[ph] = at.get(ph, 0) - amp_head_cast_freed(run)
     at["backward_attention"] = at["backward_layer"] - amp_casts_freed_at_attention(run)
+    # the last layer's MLP in forward: its down projection and the LM head not yet cast (at the down projection:
+    # the head)
+    casts = bufs["amp_weight_casts"].bytes if "amp_weight_casts" in bufs else 0
+    for ph, pending in zip(("forward_mlp", "forward_down"), amp_casts_after_last_mlp(run, stage, casts)):
+        at[ph] = at.get("forward_layer_end", 0) - pending
+        side_at[ph] = side_at.get("forward_layer_end", 0)
     grads = s.grads + s.grads_fp32
     first_grads, shares = _first_grads(run, stage), _layer_shares(run, stage)
     phases = _phases(run, s, act, at, grads, first_grads, shares)
@@ -354,6 +361,9 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         moment(later_fwd_g, act.forward_head_bytes + f_prev - old_logits, buf("forward_head")),
         moment(later_fwd_g, act.forward_layer_bytes + f_prev - old_logits, buf("forward_layer")),
         moment(later_fwd_g, act.forward_attention_bytes + f_prev - old_logits, buf("forward_layer")),
+        # (inside the stage's last layer: FSDP2 prefetches no further unit there)
+        moment(later_fwd_g, act.forward_checkpointed_mlp_bytes + f_prev - old_logits, buf("forward_mlp")),
+        moment(later_fwd_g, act.forward_checkpointed_down_bytes + f_prev - old_logits, buf("forward_down")),
         moment(later_fwd_g, act.forward_layer_end_bytes + f_prev - old_logits, buf("forward_layer_end")),
         # FSDP2: the first layer's copy-out, the root's all-gather output still live
         moment(later_fwd_g, act.forward_first_layer_bytes + f_prev - old_logits, buf("forward_first_layer")),

@@ -218,6 +218,30 @@ class Tracker(TorchDispatchMode):
             return
         self._register(st)
 
+    def _carry_over(self, args: Any, out: Any) -> bool:
+        """`wait_tensor` returns its input on a device (the collective's output, now complete), but the fake kernel
+        behind meta and fake tensors returns a new tensor: the input's allocation is carried over to that tensor
+        (same uid, bytes and life as far as the output reaches), so a fake run does not count the output twice.
+        Without it a fake run of SP held a second copy of every reduce-scatter's output, c tok/t h bytes (256 MiB
+        a layer for Llama-3.1-70B at 131,072 tokens over TP 8)."""
+        if not args or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor):
+            return False
+        src, dst = storage_key(args[0]), storage_key(out)
+        if src is None or dst is None or src == dst:
+            return False
+        st = out.untyped_storage()
+        with self._lock:
+            if src not in self.sizes or dst in self.sizes or st.nbytes() != self.sizes[src]:
+                return False
+            self.sizes[dst], self.uid[dst] = self.sizes.pop(src), self.uid.pop(src)
+            if self.ptrs is not None:
+                self.ptrs[dst] = self.ptrs.pop(src, 0)
+        try:
+            weakref.finalize(st, self._free, dst, self.uid[dst])
+        except TypeError:
+            pass
+        return True
+
     def uid_of(self, t: torch.Tensor) -> int | None:
         key = storage_key(t)
         return None if key is None else self.uid.get(key)
@@ -240,6 +264,8 @@ class Tracker(TorchDispatchMode):
         else:
             out = func(*args, **kwargs)
         if self._paused:
+            return out
+        if func is torch.ops._c10d_functional.wait_tensor.default and self._carry_over(args, out):
             return out
         for t in _tensors(out):
             self.track(t)

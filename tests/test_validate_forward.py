@@ -1,0 +1,59 @@
+"""The forward of a fully checkpointed last layer (memcalc/cost/activations.py `checkpointed_mlp_forward`) against
+the harness, and the fake process group's collectives measured as a real one measures them.
+
+A checkpointed layer's forward saves nothing, but its MLP still holds the attention half's sum, the norm output
+(gathered under SP), and at the SwiGLU product three c*tok*f/t tensors, or at the down projection the product, the
+projection's output and the collective's new tensor. With a small vocabulary the loss does not hide that moment, so
+the forward phase shows it. Before it was modelled the forward phase of these runs was 3.3% (pure bf16), 12.0%
+(FSDP2 ZeRO-3), 5.8% (TP 2 + SP, AMP) low, and 59% low at Llama-3.1-70B's width over TP 8 + SP."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from memcalc.validate.api import validate  # noqa: E402
+from tests.conftest import run_of  # noqa: E402
+
+TOY = dict(layers=4, hidden=512, heads=8, kv_heads=2, ffn=1024, vocab=512, seq=1024, precision="bf16",
+           optimizer="sgd", recompute="full")
+
+
+def _phase(rep: dict, name: str) -> dict:
+    return next(r for r in rep["rows"] if r["section"] == "phases" and r["name"] == name)
+
+
+@pytest.mark.parametrize("flags", [
+    dict(master_weights=False),
+    dict(),  # AMP: the norm output fp32, the down projection's and the head's weight copies made after the product
+    dict(gpus=2, zero=3),
+    dict(gpus=2, zero=2),
+    dict(gpus=2, tp=2),  # the down projection's all-reduce output
+    dict(gpus=2, tp=2, sp=True),  # the reduce-scatter's concatenated input and output
+    dict(gpus=4, tp=2, sp=True, zero=3),
+    dict(mlp="gelu", norm="layernorm", positions="learned", kv_heads=8),
+    dict(norm_impl="fp32"),
+    dict(ffn=256, master_weights=False),  # h > 2 f/t: the down projection's moment is the higher
+    dict(micro_batch=2, seq=512, gqa_impl="expand"),
+    dict(recompute_every=2, master_weights=False),  # the last of 4 layers checkpointed, the one before plain
+], ids=["pure-bf16", "amp", "fsdp2-z3", "fsdp2-z2", "tp2", "tp2-sp", "fsdp2-tp2-sp", "gelu-layernorm",
+        "eager-fp32-norm", "narrow-mlp", "gqa-expand-mb2", "every-2nd"])
+def test_checkpointed_layer_forward_moment(flags):
+    rep = validate(run_of(**{**TOY, **flags}), device="meta", world="fake")
+    fwd = _phase(rep, "forward")
+    # within 8 KB: the fused norm's statistics (4 KB) live or not at the product, the loss's labels
+    assert abs(fwd["predicted"] - fwd["measured"]) <= 8192, (fwd["predicted"], fwd["measured"])
+
+
+def test_fake_process_group_measures_collectives_as_a_device_does():
+    """`wait_tensor`'s fake kernel returns a new tensor where a device returns its input: the tracker carries the
+    input's allocation over (measure.Tracker._carry_over). A TP 2 + SP run on fake tensors over the fake process
+    group then measures memcalc's forward, as the same run on the CPU over gloo does; before, the fake run held a
+    second copy of each collective's output for a moment (0.24 MiB, 0.3%, above both). (Compared with the
+    prediction, not with a gloo run: a real world's phases vary with the timing of gloo's worker thread. The
+    backward phase of this run is 0.26% above the prediction on both, not attributed.)"""
+    rep = validate(run_of(**{**TOY, "gpus": 2, "tp": 2, "sp": True, "recompute": "none"}), device="meta",
+                   world="fake")
+    ph = _phase(rep, "forward")
+    assert abs(ph["predicted"] - ph["measured"]) <= 16384, (ph["predicted"], ph["measured"])
