@@ -392,8 +392,9 @@ def cuda_section(data: dict[str, Any], expandable: dict[str, Any] | None = None)
            "a GPU on fake tensors (`memcalc validate --device meta --world fake`, measured.allocator_replay; "
            "memcalc/validate/allocator.py), with a pool per stream (FSDP2's all-gather and reduce-scatter "
            "streams); in the expandable-segments table, the same log replayed under that policy "
-           "(allocator.ExpandableAllocator). Tensor parallelism over the fake process group (rows 8, 13, 29) is not "
-           "replayed exactly by the default policy. n/a: DDP and ZeroRedundancyOptimizer do not run on fake tensors, "
+           "(allocator.ExpandableAllocator). Tensor parallelism over the fake process group without SP (row 29) or "
+           "under FSDP2 (row 13) is not replayed exactly by the default policy (TP 4 + SP, row 8, is since fake runs "
+           "stopped counting each collective's output twice: -8.5% before). n/a: DDP and ZeroRedundancyOptimizer do not run on fake tensors, "
            "nor the MoE block's data-dependent shapes, nor the harness's context parallelism, nor activation "
            "offloading (rows 19, 25), which does not run faithfully on fake tensors (its tracked peak there is 4-7% "
            "above the exact one on the CPU).", ""]
