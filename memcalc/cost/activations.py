@@ -1554,7 +1554,7 @@ def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]
     c tok h or, under SP, the reduce-scatter's concatenated input c tok h and its output c tok_sp h
     (`_mlp_forward_extra`). Under autocast the down projection's weight copy is made between the two
     (timeline, `buffers.amp_casts_after_last_mlp`). Derived from the harness's op order (Hugging Face's and
-    torchtitan's MLPs have the same) and measured by it (tests/test_validate.py). Without them the forward phase of
+    torchtitan's MLPs have the same) and measured by it (tests/test_validate_forward.py). Without them the forward phase of
     a fully recomputed model whose loss is small was 1-12% low (a 4-layer toy, vocab 512), 59% at Llama-3.1-70B's
     width over TP 8 + SP. `_NEVER` (not modelled) for MoE, MLA, parallel blocks, LoRA, quantized bases, dropout,
     context parallelism, and the DeepSpeed and Megatron profiles (Megatron's MLP is fused; the harness runs the

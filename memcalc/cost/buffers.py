@@ -376,12 +376,16 @@ def amp_casts_after_last_mlp(run: Run, stage: Num, casts: Num) -> tuple[Num, Num
     """Of the forward's autocast copies (`_amp_casts`, `casts` bytes on this stage), those not yet made (at the
     stage's last layer's MLP activation, at its down projection): its down projection's weight (and bias), made
     between the two, and, on the last stage, the LM head's, made after both (`activations.checkpointed_mlp_forward`).
-    Measured by the harness (tests/test_validate.py)."""
+    Without pipelining only: each micro-batch's forward is an autocast region of its own, whose cache starts empty;
+    torch pipelining's step-wide region has them all from the first forward on (`_amp_casts_step_cache`), so a
+    later forward finds them made (counted there for every forward: at most these bytes high on the last stage's
+    first). Measured by the harness (tests/test_validate_forward.py)."""
     m = run.model
     down = scaled(run, m.hidden * (m.ffn // run.tp) + (m.hidden if m.linear_bias else 0))
     head = where(stage == run.pp - 1, scaled(run, head_params(m, run.profile, run.tp)), 0)
     c = DTYPE_BYTES[run.recipe.compute_dtype]
-    return where(casts > 0, c * (down + head), 0), where(casts > 0, c * head, 0)
+    own = (casts > 0) & (run.pp == 1)
+    return where(own, c * (down + head), 0), where(own, c * head, 0)
 
 
 def amp_head_cast_freed(run: Run) -> Num:

@@ -222,8 +222,9 @@ class Tracker(TorchDispatchMode):
         """`wait_tensor` returns its input on a device (the collective's output, now complete), but the fake kernel
         behind meta and fake tensors returns a new tensor: the input's allocation is carried over to that tensor
         (same uid, bytes and life as far as the output reaches), so a fake run does not count the output twice.
-        Without it a fake run of SP held a second copy of every reduce-scatter's output, c tok/t h bytes (256 MiB
-        a layer for Llama-3.1-70B at 131,072 tokens over TP 8)."""
+        Without it a fake run held a second copy of each functional collective's output for a moment: under SP the
+        reduce-scatter's, c tok/t h bytes (256 MiB a layer for Llama-3.1-70B at 131,072 tokens over TP 8); the H100's
+        TP 4 + SP row replayed 8.5% low for it (docs/methodology.md, "Fragmentation")."""
         if not args or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor):
             return False
         src, dst = storage_key(args[0]), storage_key(out)
