@@ -1087,6 +1087,9 @@ class StageActivations:
     loss_stranded_bytes: Num = 0
     # lit-gpt's logits list, live from the loss to the next forward's head (`loss_kept_bytes`): in every moment
     # but the first forward's, the optimizer step's and the end of backward's included
+    # torch pipelining under the step's autocast region: one finished layer's compute-dtype weight gradients,
+    # waiting for their cast nodes to the end of a later backward (`late_dw`; 0 elsewhere)
+    late_layer_dw_bytes: Num = 0
     loss_kept_bytes: Num = 0
     # one micro-batch's bitsandbytes-held layer inputs (`graph_held_layer_bytes`), live from its backward to the
     # end of that backward, or, where the loop holds the graph (`loop_holds_graph`), to the next loss
@@ -2220,6 +2223,12 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # (buffers.py `_amp_casts_step_cache`; measured, row 43)
     late_dw = where(run.pp > 1, _autocast(run) * DTYPE_BYTES[run.recipe.compute_dtype]
                     * first_backward_grad_elems(run, stage)[1], 0)
+    # ... and every layer that backward has finished leaves all its weights' gradients so (biases aside; dense
+    # layers without LoRA: `saved_cast_elems`), which the later layers' moments hold (timeline)
+    late_layer_dw = 0
+    if m.moe is None and tr.lora_rank is None:
+        late_layer_dw = where(run.pp > 1, _autocast(run) * DTYPE_BYTES[run.recipe.compute_dtype]
+                              * sum(saved_cast_elems(run)), 0)
     # torch pipelining over FSDP2 with MixedPrecisionPolicy: the last stage's root unit (final norm, LM head) runs
     # its post-backward only when the stage's backward ends, so a later micro-batch's compute-dtype head gradient
     # waits beside the accumulator through every layer's backward (measured: the PP x FSDP2 rows)
@@ -2446,6 +2455,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_late_chunk_post_bytes=late[1],
         backward_late_chunk_end_bytes=late[2],
         loss_kept_bytes=kept,
+        late_layer_dw_bytes=late_layer_dw,
         graph_held_bytes=graph_held,
         steady_forward_sent_bytes=steady_sent,
         layers=unit_layers,

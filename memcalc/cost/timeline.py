@@ -514,6 +514,14 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         later_copy_in,
         if_later(moment(later_g, act.backward_later_layer_bytes, buf("backward_layer") + where(
             all_units > 0, all_units + rel, where(more, pre, 0)))),
+        # ... its later layers: each finished layer freed its activations but, under torch pipelining's step-wide
+        # autocast, left its weights' compute-dtype gradients waiting to the end of this backward
+        # (`late_layer_dw_bytes`): the higher where the weights outweigh a layer's activations
+        *[if_later(moment(later_g, where(more, act.backward_later_layer_bytes - k * (a - act.late_layer_dw_bytes),
+                                         _NEVER),
+                          buf("backward_layer") - k * rel + where(all_units > 0, all_units + rel,
+                                                                   where(k < n_l - 1, pre, 0))))
+          for k in (1, k_last)],
         *[if_later(copy_out(k, later_g, act.backward_later_post_bytes - (k - 1) * a, later_regathers == 1))
           for k in (1, k_last)],
         *[layer_end(k, layer_g + k * g, post_at(k)) for k in (0, 1, k_pen, k_last)],
