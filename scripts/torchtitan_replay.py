@@ -62,41 +62,14 @@ def _flags(opts: dict[str, Any]) -> str:
 
 def _census(log: dict[str, Any]) -> dict[str, list[int]]:
     """The default policy's segments at the measured step's allocated peak, by segment size: [count, reserved,
-    allocated]. Two passes over the log: the first finds the peak's event, the second stops there."""
-    from memcalc.validate.allocator import CachingAllocator
+    allocated]. Two passes over the log (allocator.drive): the first finds the peak's event, the second stops
+    there."""
+    from memcalc.validate.allocator import CachingAllocator, drive
 
-    def replay(stop: int | None) -> tuple[Any, int]:
-        a = CachingAllocator()
-        starts: dict[int, list[str]] = {}
-        for i, ph in log["marks"]:
-            starts.setdefault(i, []).append(ph)
-        cur: dict[int, int] = {}
-        pending, emptied, best, at = dict(log["extra"]), False, -1, 0
-        for i, (uid, d) in enumerate(log["events"]):
-            for ph in starts.get(i, ()):
-                if not emptied and ph != "init":
-                    a.release_free_segments()
-                    emptied = True
-                for name in list(pending):
-                    if name in ph.removeprefix("w-"):
-                        a.allocate(("extra", name), pending.pop(name), log["compute_stream"])
-            if i == stop:
-                return a, i
-            old = cur.get(uid, 0)
-            new = old + d
-            if old > 0:
-                a.free(uid)
-            if new > 0:
-                a.allocate(uid, new, log["streams"][i])
-                cur[uid] = new
-            else:
-                cur.pop(uid, None)
-            if emptied and a.allocated >= best:  # the latest moment at the peak: the measured step's
-                best, at = a.allocated, i + 1
-        return a, at
-
-    _, at = replay(None)
-    a, _ = replay(at)
+    args = (log["events"], log["marks"], log["extra"], log["streams"], log["compute_stream"])
+    at = drive(CachingAllocator(), *args)
+    a = CachingAllocator()
+    drive(a, *args, stop=at)
     out: dict[str, list[int]] = {}
     for start, (size, _pool) in a._segments.items():
         used, b = 0, a._by_addr[start]
@@ -164,7 +137,8 @@ def main() -> None:
            "counter": "max over ranks of torch.cuda.max_memory_reserved(), GiB", "torch": torch.__version__,
            "rows": []}
     for case, published, opts in rows:
-        r = {"case": case, "published_gib": published, "flags": _flags(opts), **replay_row(opts)}
+        r = {"case": case, "published_gib": published, "flags": _flags(opts), "options": {**opts, **COMMON},
+             **replay_row(opts)}
         out["rows"].append(r)
         err = {k: (r[k] / GIB - published) / published for k in
                ("replay_default_reserved_bytes", "replay_expandable_reserved_bytes",

@@ -32,21 +32,6 @@ T1, T3, T4 = ("torchtitan-8b-fsdp8-lbs2-sac", "torchtitan-8b-fsdp128-lbs2-sac",
               "torchtitan-70b-fsdp32-tp8-lbs16-full-fp8-compile")
 
 
-def _opts(flags: str) -> dict:
-    """The record's flags as RunOptions keywords (`--sp` alone is a switch)."""
-    words, out = flags.split(), {}
-    i = 0
-    while i < len(words):
-        key = words[i].removeprefix("--").replace("-", "_")
-        if i + 1 < len(words) and not words[i + 1].startswith("--"):
-            value = words[i + 1]
-            out[key] = int(value) if value.isdigit() else value
-            i += 2
-        else:
-            out[key], i = True, i + 1
-    return out
-
-
 def _error(row: dict, key: str) -> float:
     return (row[key] / GIB - row["published_gib"]) / row["published_gib"]
 
@@ -61,7 +46,7 @@ def test_record_rows_are_the_published_cases():
 @pytest.mark.parametrize("case", list(ROWS))
 def test_harness_allocates_memcalcs_peak(case):
     row = ROWS[case]
-    run = build_run(RunOptions(**_opts(row["flags"])))
+    run = build_run(RunOptions(**row["options"]))
     # the record was made by this cost model: its allocated figure is today's
     assert int(estimate(run, advice=False).memory.allocated_peak_bytes) == row["predicted_allocated_bytes"]
     # the tracker counts tensors; memcalc's figure adds cuBLAS's two workspaces (32 MiB each on Hopper)
@@ -100,7 +85,7 @@ def test_replay_reproduces_the_record():
     from memcalc.validate.api import validate
 
     row = ROWS[T1]
-    rep = validate(build_run(RunOptions(**_opts(row["flags"]))), device="meta", world="fake")
+    rep = validate(build_run(RunOptions(**row["options"])), device="meta", world="fake")
     measured = rep["measured"]
     assert measured["peak_bytes"] == row["tracked_peak_bytes"]
     assert measured["allocator_replay"]["reserved_peak_bytes"] == row["replay_default_reserved_bytes"]

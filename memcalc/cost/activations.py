@@ -1386,11 +1386,20 @@ def _mlp_forward_extra(run: Run) -> Num:
     (the PP x TP rows, whose first stage peaks at this moment)."""
     if run.profile != "torch" or run.model.moe is not None:
         return 0
-    c, tok, tok_sp, tok_in = _shape(run)
+    _, _, _, tok_in = _shape(run)
+    return _autocast(run) * 4 * tok_in * run.model.hidden + _row_parallel_collective(run, all_reduce=False)
+
+
+def _row_parallel_collective(run: Run, all_reduce: bool) -> Num:
+    """torch, the new tensors of a row-parallel projection's output collective, beside its partial output: under SP
+    the reduce-scatter's concatenated input `c*tok*h` and its output `c*tok_sp*h`
+    (torch/distributed/_functional_collectives.py `reduce_scatter_tensor`, scatter dim 1); without SP the
+    all-reduce's output `c*tok*h` (funcol's out-of-place all_reduce), counted where `all_reduce`."""
+    c, tok, tok_sp, _ = _shape(run)
     h = run.model.hidden
-    arg = _autocast(run) * 4 * tok_in * h
-    rs = where(run.tp > 1, c * (tok + tok_sp) * h, 0) if run.sp else 0
-    return arg + rs
+    if run.sp:
+        return where(run.tp > 1, c * (tok + tok_sp) * h, 0)
+    return where(run.tp > 1, c * tok * h, 0) if all_reduce else 0
 
 
 def _down_matmul_moment(run: Run, mode: str, plain_layers: Num, down_out: Num, scratch: Num) -> Num:
@@ -1555,7 +1564,7 @@ def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]
     3 c tok f/t (GELU, at the activation: its input and output, 2 c tok f/t). At the down projection: the product,
     the projection's output c tok h (partial under TP) and the collective's new tensor, an all-reduce's output
     c tok h or, under SP, the reduce-scatter's concatenated input c tok h and its output c tok_sp h
-    (`_mlp_forward_extra`). Under autocast the down projection's weight copy is made between the two
+    (`_row_parallel_collective`). Under autocast the down projection's weight copy is made between the two
     (timeline, `buffers.amp_casts_after_last_mlp`). Derived from the harness's op order (Hugging Face's and
     torchtitan's MLPs have the same) and measured by it (tests/test_validate_forward.py). Without them the forward phase of
     a fully recomputed model whose loss is small was 1-12% low (a 4-layer toy, vocab 512), 59% at Llama-3.1-70B's
@@ -1578,9 +1587,7 @@ def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]
     held = held + (where(run.tp > 1, stream * tok * h, 0) if run.sp else 0)
     width = c * tok * f_t
     at_act = held + (3 if m.mlp == "swiglu" else 2) * width
-    out = c * tok * h
-    collective = where(run.tp > 1, c * (tok + tok_sp) * h if run.sp else out, 0)
-    at_down = held + width + out + collective
+    at_down = held + width + c * tok * h + _row_parallel_collective(run, all_reduce=True)
     return where(run.cp > 1, _NEVER, at_act), where(run.cp > 1, _NEVER, at_down)
 
 

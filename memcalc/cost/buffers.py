@@ -381,7 +381,7 @@ def amp_casts_after_last_mlp(run: Run, stage: Num, casts: Num) -> tuple[Num, Num
     later forward finds them made (counted there for every forward: at most these bytes high on the last stage's
     first). Measured by the harness (tests/test_validate_forward.py)."""
     m = run.model
-    down = scaled(run, m.hidden * (m.ffn // run.tp) + (m.hidden if m.linear_bias else 0))
+    down = saved_cast_elems(run)[2] + scaled(run, m.hidden if m.linear_bias else 0)
     head = where(stage == run.pp - 1, scaled(run, head_params(m, run.profile, run.tp)), 0)
     c = DTYPE_BYTES[run.recipe.compute_dtype]
     own = (casts > 0) & (run.pp == 1)

@@ -161,12 +161,23 @@ def replay_log(events: list[tuple[int, int]], marks: list[tuple[int, str]],
     `expandable`: replay ExpandableAllocator (expandable_segments:True) instead.
     Returns the reserved and allocated peaks in bytes."""
     a: Any = ExpandableAllocator() if expandable else CachingAllocator()
+    drive(a, events, marks, extra, streams, compute_stream)
+    return {"reserved_peak_bytes": a.peak_reserved, "allocated_peak_bytes": a.peak_allocated}
+
+
+def drive(a: Any, events: list[tuple[int, int]], marks: list[tuple[int, str]],
+          extra: dict[str, int] | None = None, streams: list[object] | None = None,
+          compute_stream: object = 0, stop: int | None = None) -> int:
+    """Feed the log to allocator `a` as `replay_log` describes, up to event `stop` (excluded; all by default).
+    Returns the index just past the last event at which, after the cache was emptied, the allocated bytes reached
+    their highest (the latest moment at the peak: a diagnosis replays again to there and reads `a`'s segments)."""
     cur: dict[int, int] = {}
     starts: dict[int, list[str]] = {}
     for i, ph in marks:
         starts.setdefault(i, []).append(ph)
     emptied = False
     pending = dict(extra or {})
+    best, at = -1, 0
     for i, (uid, d) in enumerate(events):
         for ph in starts.get(i, ()):
             if not emptied and ph != "init":
@@ -177,6 +188,8 @@ def replay_log(events: list[tuple[int, int]], marks: list[tuple[int, str]],
             for name in list(pending):
                 if name in base:  # "forward-backward" (pipelining) starts both
                     a.allocate(("extra", name), pending.pop(name), compute_stream)
+        if i == stop:
+            break
         old = cur.get(uid, 0)
         new = old + d
         if old > 0:
@@ -186,7 +199,9 @@ def replay_log(events: list[tuple[int, int]], marks: list[tuple[int, str]],
             cur[uid] = new
         else:
             cur.pop(uid, None)
-    return {"reserved_peak_bytes": a.peak_reserved, "allocated_peak_bytes": a.peak_allocated}
+        if emptied and a.allocated >= best:
+            best, at = a.allocated, i + 1
+    return at
 
 
 EXPANDABLE_VIRTUAL = 1 << 50  # an expandable segment reserves address space for the whole GPU: never the limit
