@@ -11,8 +11,9 @@ reset as the phase starts) and `max_memory_reserved()`, beside the harness's exa
 prediction is `memcalc estimate` for the same run, GPU terms included (cuBLAS workspaces; fragmentation for the
 reserved figure). A probe first records the facts of this GPU and torch build that the cost model assumes.
 
-The JSON written on the GPU machine is kept as docs/data/validation-cuda.json; scripts/validation_matrix.py renders
-it into docs/validation.md (`cuda_section`).
+The JSON written on the GPU machine is kept as docs/data/validation-cuda.json (H100; rows 32-47 and reruns of 4, 8
+and 11 as docs/data/validation-cuda-h200.json, run on an H200 with `--only`); scripts/validation_matrix.py renders
+them into docs/validation.md (`record_section`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ TT3 = dict(model="llama-3.2-3b", precision="bf16", master_weights=False, optimiz
 # a Llama-shaped 4-layer model, wide enough that allocator rounding is noise
 MID = dict(layers=4, hidden=2048, heads=16, kv_heads=8, ffn=5632, vocab=32000, seq=2048, micro_batch=2,
            gpu="h100-sxm")
+MID_H200 = dict(MID, gpu="h200")
 
 
 def configurations() -> list[tuple[str, dict[str, Any], str, str | None]]:
@@ -129,6 +131,54 @@ def configurations() -> list[tuple[str, dict[str, Any], str, str | None]]:
         ("lit-gpt Llama-2-7B QLoRA (bnb.nf4-dq) r=8 q,v, bf16, mb 1 x seq 1304",
          dict(LIT, model="llama-2-7b", micro_batch=1, base_dtype="nf4", quantize_head=True,
               quant_backend="bnb-fp16"), "real", "litgpt-llama2-7b-qlora-nf4-dq"),
+        # rows 32-41: first run on an H200 (docs/data/validation-cuda-h200.json): what sessions without a GPU added
+        # (mixed recompute, a checkpointed last layer's forward, TP under full recompute), fp16 with a GradScaler,
+        # the GPT-NeoX layer, a 152k vocabulary with QKV biases, and a run too large for an 80 GB card
+        ("4-layer h2048 GQA, bf16 AMP, full recompute on 2 of 4 layers", dict(MID_H200, precision="bf16",
+                                                                             recompute="full", recompute_layers=2),
+         "real", None),
+        ("4-layer h2048 GQA, pure bf16, fp32 norms, full recompute",
+         dict(MID_H200, precision="bf16", master_weights=False, norm_impl="fp32", recompute="full"), "real", None),
+        ("4-layer h2048 GQA, fp16 AMP (GradScaler)", dict(MID_H200, precision="fp16"), "real", None),
+        ("Llama-2-7B TP 2 + SP, bf16 AMP, seq 4096, full AC",
+         dict(model="llama-2-7b", gpus=2, tp=2, sp=True, precision="bf16", seq=4096, recompute="full", gpu="h200"),
+         "fake", None),
+        ("Llama-3.1-8B full fine-tune, pure bf16, full AC, mb 1 x seq 8192 (over 80 GB)",
+         dict(model="llama-3.1-8b", precision="bf16", master_weights=False, recompute="full", seq=8192,
+              micro_batch=1, gpu="h200"), "real", None),
+        ("Llama-2-7B FSDP2 ZeRO-3, 8 GPUs, seq 4096, full AC on 16 of 32 layers",
+         dict(model="llama-2-7b", gpus=8, zero=3, precision="bf16", seq=4096, recompute="full", recompute_layers=16,
+              gpu="h200"), "fake", None),
+        ("Qwen2.5-7B, 4 layers (QKV bias, 152k vocabulary), pure bf16, seq 4096",
+         dict(model="qwen2.5-7b", layers=4, precision="bf16", master_weights=False, seq=4096, micro_batch=1,
+              gpu="h200"), "real", None),
+        ("Pythia-1B (GPT-NeoX parallel residual, partial rotary), bf16 AMP, mb 4 x seq 2048",
+         dict(model="pythia-1b", precision="bf16", micro_batch=4, seq=2048, gpu="h200"), "real", None),
+        ("4-layer h2048 GQA, bf16 AMP, K/V expanded to every head", dict(MID_H200, precision="bf16",
+                                                                        gqa_impl="expand"), "real", None),
+        ("4-layer h2048 GQA, pure bf16, eager attention + dropout 0.1, selective recompute",
+         dict(MID_H200, precision="bf16", master_weights=False, attention="eager", dropout=0.1,
+              recompute="selective"), "real", None),
+        # rows 42-47 (H200): whole models under full or selective recompute on one GPU, where the optimizer step is
+        # the compute stream's peak: how the first step's segments serve the later steps (fragmentation.py)
+        ("Llama-2-7B full fine-tune, pure bf16, full AC, mb 1 x seq 4096",
+         dict(model="llama-2-7b", precision="bf16", master_weights=False, recompute="full", seq=4096, micro_batch=1,
+              gpu="h200"), "real", None),
+        ("Llama-3.2-3B, bf16 AMP (fp32 params), full AC, mb 1 x seq 4096",
+         dict(model="llama-3.2-3b", precision="bf16", recompute="full", seq=4096, micro_batch=1, gpu="h200"),
+         "real", None),
+        ("Llama-3.1-8B full fine-tune, pure bf16, full AC, mb 1 x seq 2048",
+         dict(model="llama-3.1-8b", precision="bf16", master_weights=False, recompute="full", seq=2048,
+              micro_batch=1, gpu="h200"), "real", None),
+        ("Qwen2.5-7B full fine-tune, pure bf16, full AC, mb 1 x seq 4096",
+         dict(model="qwen2.5-7b", precision="bf16", master_weights=False, recompute="full", seq=4096, micro_batch=1,
+              gpu="h200"), "real", None),
+        ("Llama-3.2-1B, bf16 AMP (fp32 params), full AC, mb 2 x seq 2048",
+         dict(model="llama-3.2-1b", precision="bf16", recompute="full", seq=2048, micro_batch=2, gpu="h200"),
+         "real", None),
+        ("Mistral-7B full fine-tune, pure bf16, selective recompute, mb 1 x seq 4096",
+         dict(model="mistral-7b", precision="bf16", master_weights=False, recompute="selective", seq=4096,
+              micro_batch=1, gpu="h200"), "real", None),
     ]
 
 
@@ -394,8 +444,8 @@ def cuda_section(data: dict[str, Any], expandable: dict[str, Any] | None = None)
            "streams); in the expandable-segments table, the same log replayed under that policy "
            "(allocator.ExpandableAllocator). Tensor parallelism over the fake process group without SP (row 29) or "
            "under FSDP2 (row 13) is not replayed exactly by the default policy (TP 4 + SP, row 8, is since fake runs "
-           "stopped counting each collective's output twice: -8.5% before). n/a: DDP and ZeroRedundancyOptimizer do not run on fake tensors, "
-           "nor the MoE block's data-dependent shapes, nor the harness's context parallelism, nor activation "
+           "stopped counting each collective's output twice: -8.5% before). n/a: DDP and ZeroRedundancyOptimizer do "
+           "not run on fake tensors, nor the MoE block's data-dependent shapes, nor the harness's context parallelism, nor activation "
            "offloading (rows 19, 25), which does not run faithfully on fake tensors (its tracked peak there is 4-7% "
            "above the exact one on the CPU).", ""]
     out += _table(data, False)
@@ -412,12 +462,35 @@ def cuda_section(data: dict[str, Any], expandable: dict[str, Any] | None = None)
     return out
 
 
+def h200_section(data: dict[str, Any], expandable: dict[str, Any]) -> list[str]:
+    """Markdown for the H200 record (rows 4, 8 and 11 again, and rows 32-47)."""
+    pr = data["probe"]
+    out = ["", f"### On an {pr.get('device', '?')} ({data.get('date', '?')})", "",
+           f"The same script on one {pr.get('device', '?')} (torch {pr.get('torch', '?')}, CUDA {pr.get('cuda', '?')}; "
+           "its probe read the same facts as the H100's), recorded in docs/data/validation-cuda-h200.json and "
+           "docs/data/validation-cuda-h200-expandable.json and held by tests/test_cuda_record.py. Rows 4, 8 and 11 "
+           "repeat H100 rows: the same bytes, allocated and reserved, on both cards. Rows 32-41 run what sessions "
+           "without a GPU had added; rows 42-47 are whole models on one GPU whose optimizer step is the compute "
+           "stream's peak, 36 one that an 80 GB card cannot hold. They moved the first optimizer step's foreach "
+           "temporaries (memcalc/cost/fragmentation.py): added on top of a step that is itself the peak, the list "
+           "was counted twice (rows 35 and 42-47 were +10% to +21% on the default allocator).", ""]
+    out += _table(data, False)
+    out += ["", "With `expandable_segments:True`:", ""]
+    out += _table(expandable, True)
+    return out
+
+
 def record_section() -> list[str]:
     """The section from the committed records (empty when there is none)."""
     if not RECORD.exists():
         return []
     exp = RECORD.with_name("validation-cuda-expandable.json")
-    return cuda_section(json.loads(RECORD.read_text()), json.loads(exp.read_text()) if exp.exists() else None)
+    out = cuda_section(json.loads(RECORD.read_text()), json.loads(exp.read_text()) if exp.exists() else None)
+    h200 = RECORD.with_name("validation-cuda-h200.json")
+    if h200.exists():
+        out += h200_section(json.loads(h200.read_text()),
+                            json.loads(h200.with_name("validation-cuda-h200-expandable.json").read_text()))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -708,7 +708,7 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            f"{platform.python_version()}; every row below ran on the CPU (real gloo worlds, or one rank of a fake "
            "process group; `meta` = FakeTensorMode, no real memory).",
            "- GPU rows: the section \"On a GPU (CUDA)\" below, from the records of `scripts/gpu_validation.py` "
-           "(`memcalc validate --device cuda` on an H100: `max_memory_allocated` / `max_memory_reserved` per "
+           "(`memcalc validate --device cuda` on an H100 and an H200: `max_memory_allocated` / `max_memory_reserved` per "
            "phase beside the tracked bytes).",
            "- Set aside on CPU (GPU-only terms of the prediction): fragmentation, runtime overhead, cuBLAS "
            "workspaces.",

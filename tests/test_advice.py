@@ -93,8 +93,9 @@ def test_a_loop_that_keeps_its_logits_is_told_to_drop_them():
 
 # where the single changes do not fit, or only a costly one does: the cheapest changes stacked on the same GPUs
 STACKED = [
-    # ZeRO-1 -> 2 is 1.8 GiB short and only optimizer offload fits alone (its CPU step costs 99% of the
-    # throughput); ZeRO-2 then ZeRO-3 fits at no cost (the experts' states shard over dp*cp/ep = 1 until then)
+    # ZeRO-1 -> 2 is 1.8 GiB short; full recompute, activation offloading and optimizer offload fit alone, at a
+    # cost (-25%, -54%, -99% of the throughput); ZeRO-2 then ZeRO-3 fits at none (the experts' states shard over
+    # dp*cp/ep = 1 until then)
     ("--model", "mixtral-8x7b", "--gpus", "16", "--ep", "8", "--tp", "2", "--zero", "1"),
     # 70B on one node: nothing fits alone; the cheapest changes in the advice's order, stacked, do
     ("--model", "llama-3.1-70b", "--gpus", "8", "--zero", "3"),
@@ -133,11 +134,14 @@ def test_stacked_changes_are_the_command_they_print(args):
 
 def test_mixtral_stacks_zero_up_to_3_instead_of_offloading():
     mem = cli_json("estimate", *STACKED[0])["memory"]
-    fitting = [a for a in mem["advice"] if a["fits_after"]]
-    assert [a["flags"] for a in fitting] == ["--offload optimizer"]
+    fitting = {a["flags"]: a for a in mem["advice"] if a["fits_after"]}
+    # each costs throughput (-25%, -54%, -99%); full recompute fits since its optimizer step, the peak, no longer
+    # holds the first step's sqrt(v) list twice (fragmentation.first_step_stranded_bytes)
+    assert list(fitting) == ["--recompute full", "--offload-activations", "--offload optimizer"]
     c = mem["advice_combined"]
     assert c["flags"] == "--zero 3" and c["change"] == "ZeRO stage 3"  # stage 2, superseded by 3, is not named
-    assert c["tokens_per_second_per_gpu_after"] > 10 * fitting[0]["tokens_per_second_per_gpu_after"]
+    assert c["tokens_per_second_per_gpu_after"] > 10 * fitting["--offload optimizer"]["tokens_per_second_per_gpu_after"]
+    assert all(c["tokens_per_second_per_gpu_after"] > a["tokens_per_second_per_gpu_after"] for a in fitting.values())
     code, out, _ = cli("estimate", *STACKED[0])
     assert code == 0 and "Or, on the same 16 GPUs: --zero 3 (ZeRO stage 3)" in " ".join(out.split())
 

@@ -24,7 +24,9 @@ The first optimizer step (default allocator, torch.optim, foreach Adam): torch.o
 first `step()`, after a forward and backward that reserved segments for activations only. The states take those
 blocks first; what the step needs beyond them, foreach Adam's sqrt(v) list first among it, comes from new
 segments cut to the per-parameter sizes of that list. Those segments stay reserved, and the later steps'
-activation requests are larger than their blocks: `first_step_stranded_bytes`.
+activation requests are larger than their blocks: `first_step_stranded_bytes`. Every later optimizer step reuses
+them, so where the step is the compute stream's peak they are already in it: the list adds to reserved memory only
+what a later forward or backward, beside them, holds above that peak.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def slack_bytes(run: Run, compute_peak: Any) -> Any:
 
 
 def first_step_stranded_bytes(run: Run, sm: StageMemory) -> Any:
-    """Bytes of foreach Adam's first-step sqrt(v) list left in segments of their own (elementwise on arrays).
+    """Bytes of foreach Adam's first-step sqrt(v) list left in segments of their own, as far as they raise
+    reserved memory above the compute stream's peak / (1 - f) (elementwise on arrays).
 
     Measured by replaying the caching allocator over the harness's allocation log (memcalc/validate/allocator.py,
     `memcalc validate --world fake --device meta`): foreach minus fused AdamW, the same run otherwise, is 3.29 GiB
@@ -83,6 +86,13 @@ def first_step_stranded_bytes(run: Run, sm: StageMemory) -> Any:
     The first step reserved `before` = (highest forward or backward moment of the compute stream, less the
     optimizer states it did not hold yet) / (1 - f). Its optimizer step needs `compute_stream_opt_peak`; the excess
     comes from new segments, the states taking the old blocks first, so up to the whole list is in the new ones.
+    The later optimizer steps reuse those segments, so the list raises reserved memory only as far as a later
+    forward or backward (`compute_stream_fb_peak`), which cannot use them, plus the list exceeds the step's own
+    peak: reserved = max(step / (1 - f), fb / (1 - f) + list). Where the step without the list is below fb, that
+    is fused AdamW's reserved figure plus the list, as the replays have it (foreach minus fused: 11.82 GiB for a
+    12.55 GiB list on the H200's TP 2 + SP row 35, 15.08 GiB for 14.96 on its 8B row 36). Added on top of a step
+    that is itself the peak, the list was counted twice: rows 35 and 42-47 were +10% to +21%.
+
     Only the default allocator (expandable segments map just the missing pages and merge the freed range), torch's
     optimizers (DeepSpeed and Megatron create their states before training) and the steady-state reading. An upper
     bound where later activations fit some of the list's blocks (small models: the H100's DDP and 4-layer rows
@@ -93,7 +103,11 @@ def first_step_stranded_bytes(run: Run, sm: StageMemory) -> Any:
         return 0 * temps
     f = fraction(run)
     before = as_int((sm.compute_stream_fb_peak - sm.states.optimizer) * (1.0 / (1.0 - f)))
-    return imin(temps, imax(0 * temps, sm.compute_stream_opt_peak - before))
+    in_new = imin(temps, imax(0 * temps, sm.compute_stream_opt_peak - before))
+    # every later optimizer step reuses those segments: they add only what a later forward or backward holds
+    # beside them above the step's own peak
+    above_fb = as_int((sm.compute_stream_peak - sm.compute_stream_fb_peak) * (1.0 / (1.0 - f)))
+    return imax(0 * temps, in_new - above_fb)
 
 
 def reserved_bytes(run: Run, sm: StageMemory) -> Any:
