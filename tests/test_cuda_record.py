@@ -235,12 +235,12 @@ def test_allocator_replay_matches_the_h100_reserved(e):
 
 
 @functools.cache
-def _meta_replay(row: int) -> dict:
+def _meta_replay(row: int, card: str = "h100") -> dict:
     """The harness's run of a recorded row on fake tensors; its `measured.allocator_replay` (both allocators)."""
     pytest.importorskip("torch")
     from memcalc.validate.api import validate
 
-    e = next(e for e in DEFAULT["results"] if e["id"] == row)
+    e = next(e for e in (DEFAULT if card == "h100" else H200)["results"] if e["id"] == row)
     rep = validate(build_run(RunOptions(**e["opts"])), device="meta", world="fake", timeout=200)
     return rep["measured"]["allocator_replay"]
 
@@ -357,23 +357,13 @@ H200_REPLAY_BAR = {35: (0.0, 0.005), 37: (0.0, 0.0015), 40: (0.0, None), 41: (0.
                    46: (0.0, 0.0), 32: (0.0011, 0.0)}
 
 
-@functools.cache
-def _h200_replay(row: int) -> dict:
-    pytest.importorskip("torch")
-    from memcalc.validate.api import validate
-
-    e = next(e for e in H200["results"] if e["id"] == row)
-    return validate(build_run(RunOptions(**e["opts"])), device="meta", world="fake", timeout=200)[
-        "measured"]["allocator_replay"]
-
-
 @pytest.mark.parametrize("row", sorted(H200_REPLAY_BAR))
 def test_allocator_replay_matches_the_h200_reserved(row):
     """Where memcalc's fraction misses the H200 (rows 41: -9.8%, 35 and 42: +18.7% and +20.0% before the list was
     no longer added on top of the step), the replay of the same allocations, without a GPU, gives
     `max_memory_reserved()` to the byte (row 35: 70,191,677,440 B), on both policies for row 46."""
     bar, xbar = H200_REPLAY_BAR[row]
-    rep = _h200_replay(row)
+    rep = _meta_replay(row, "h200")
     gpu = next(e for e in H200["results"] if e["id"] == row)["report"]["cuda"]["measured_reserved_bytes"]
     assert abs(rep["reserved_peak_bytes"] - gpu) <= bar * gpu, (rep["reserved_peak_bytes"], gpu)
     if xbar is not None:
