@@ -220,12 +220,12 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "overlap_grad_reduce": (Optional[bool], None, _opt("--overlap-grad-reduce/--no-overlap-grad-reduce", help="Megatron gradient reduction overlapped with backward (default on).", panel=_B, show_default=False)),
     "overlap_param_gather": (Optional[bool], None, _opt("--overlap-param-gather/--no-overlap-param-gather", help="Megatron distributed optimizer's param all-gather overlapped with forward (default on).", panel=_B, show_default=False)),
     "contiguous_gradients": (Optional[bool], None, _opt("--contiguous-gradients/--no-contiguous-gradients", help="DeepSpeed contiguous_gradients.", panel=_B, show_default=False)),
-    "reduce_bucket_size": (Optional[int], None, _opt("--reduce-bucket-size", help="DeepSpeed reduce_bucket_size, elements (default 5e8).", panel=_B, show_default=False)),
-    "allreduce_bucket_size": (Optional[int], None, _opt("--allreduce-bucket-size", help="DeepSpeed ZeRO-0 allreduce bucket, elements.", panel=_B, show_default=False)),
-    "allgather_bucket_size": (Optional[int], None, _opt("--allgather-bucket-size", help="DeepSpeed allgather_bucket_size, elements.", panel=_B, show_default=False)),
-    "stage3_prefetch_bucket_size": (Optional[int], None, _opt("--stage3-prefetch-bucket-size", help="DeepSpeed ZeRO-3 prefetch, elements.", panel=_B, show_default=False)),
-    "stage3_max_live_parameters": (Optional[int], None, _opt("--stage3-max-live-parameters", help="DeepSpeed ZeRO-3 live parameters.", panel=_B, show_default=False)),
-    "stage3_max_reuse_distance": (Optional[int], None, _opt("--stage3-max-reuse-distance", help="DeepSpeed ZeRO-3 reuse distance.", panel=_B, show_default=False)),
+    "reduce_bucket_size": (Optional[str], None, _opt("--reduce-bucket-size", help="DeepSpeed reduce_bucket_size, elements (default 5e8; 5e8, 500M or 500000000).", panel=_B, show_default=False, metavar="<count>")),
+    "allreduce_bucket_size": (Optional[str], None, _opt("--allreduce-bucket-size", help="DeepSpeed ZeRO-0 allreduce bucket, elements.", panel=_B, show_default=False, metavar="<count>")),
+    "allgather_bucket_size": (Optional[str], None, _opt("--allgather-bucket-size", help="DeepSpeed allgather_bucket_size, elements.", panel=_B, show_default=False, metavar="<count>")),
+    "stage3_prefetch_bucket_size": (Optional[str], None, _opt("--stage3-prefetch-bucket-size", help="DeepSpeed ZeRO-3 prefetch, elements.", panel=_B, show_default=False, metavar="<count>")),
+    "stage3_max_live_parameters": (Optional[str], None, _opt("--stage3-max-live-parameters", help="DeepSpeed ZeRO-3 live parameters.", panel=_B, show_default=False, metavar="<count>")),
+    "stage3_max_reuse_distance": (Optional[str], None, _opt("--stage3-max-reuse-distance", help="DeepSpeed ZeRO-3 reuse distance.", panel=_B, show_default=False, metavar="<count>")),
     "gpu": (str, DEFAULT_GPU, _opt("--gpu", help="GPU preset (see `memcalc presets`).", panel=_H)),
     "gpus_per_node": (Optional[int], None, _opt("--gpus-per-node", help="Override the GPU preset.", panel=_H)),
     "intra_bw": (Optional[float], None, _opt("--intra-bw", help="Intra-node bytes/s per GPU per direction.",
@@ -338,7 +338,8 @@ def estimate(
     fmt: Annotated[Optional[str], typer.Option("--format", help="table | json | markdown | csv (--json = --format "
                                                "json).", rich_help_panel=_O)] = None,
     min_headroom: Annotated[Optional[str], typer.Option("--min-headroom", help="With --check (implied): also exit 1 "
-                                                        "when less than this is left, e.g. 5GiB or 10%.",
+                                                        "when less than this is left: a size (5GiB, 4GB) or a share "
+                                                        "of the GPU's memory (10% or 0.1).",
                                                         rich_help_panel=_O)] = None,
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="KEY=V1,V2,...: one estimate per value (keys: "
                                                  "micro-batch, seq, gpus, dp, tp, pp, cp, zero, recompute, offload, "
@@ -464,6 +465,36 @@ def _click_api() -> tuple[Any, type, type]:
     return click_exc, Exit, Abort
 
 
+def _typed_value(opts: list[str], argv: list[str]) -> str | None:
+    """The last value given on the command line to an option spelled any of `opts` (`--seq x` or `--seq=x`)."""
+    found = None
+    for i, a in enumerate(argv):
+        if a in opts and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif a.startswith("--") and "=" in a and a.split("=", 1)[0] in opts:
+            found = a.split("=", 1)[1]
+    return found
+
+
+def _bad_parameter_message(e: Any, argv: list[str]) -> str:
+    """One line naming the flag, the value typed and what is valid. recent typer releases convert through pydantic, whose
+    message names neither the value nor (for numbers) a valid form: "Input should be a valid integer, ..."."""
+    param = getattr(e, "param", None)
+    opts = list(getattr(param, "opts", []) or [])
+    text = " ".join(e.format_message().split())
+    value = _typed_value(opts, argv) if opts else None
+    if value is None:
+        return text
+    flag = max(opts, key=len)
+    low = text.lower()
+    if "integer" in low:
+        return f"{flag} {value!r} is not a whole number"
+    if "number" in low or "float" in low:
+        return f"{flag} {value!r} is not a number"
+    detail = text.split(": ", 1)[1] if ": " in text else text
+    return f"{flag} {value!r}: {detail}"
+
+
 def main(argv: list[str] | None = None) -> None:
     click_exc, Exit, Abort = _click_api()
     register_optional_commands(_commands_needed(sys.argv[1:] if argv is None else argv))
@@ -476,6 +507,9 @@ def main(argv: list[str] | None = None) -> None:
     except click_exc.NoArgsIsHelpError as e:
         sys.stdout.write(e.ctx.get_help() + "\n")
         sys.exit(0)
+    except click_exc.BadParameter as e:
+        sys.stderr.write(f"memcalc: error: {_bad_parameter_message(e, sys.argv[1:] if argv is None else argv)}\n")
+        sys.exit(2)
     except click_exc.UsageError as e:
         msg = " ".join(e.format_message().split())
         sys.stderr.write(f"memcalc: error: {msg}\n")

@@ -186,12 +186,13 @@ class RunOptions:
     overlap_grad_reduce: bool | None = None
     overlap_param_gather: bool | None = None
     contiguous_gradients: bool | None = None
-    reduce_bucket_size: int | None = None
-    allreduce_bucket_size: int | None = None
-    allgather_bucket_size: int | None = None
-    stage3_prefetch_bucket_size: int | None = None
-    stage3_max_live_parameters: int | None = None
-    stage3_max_reuse_distance: int | None = None
+    # DeepSpeed's element counts: an int, or a count as typed ("5e8", "500M", "500000000": units.parse_count)
+    reduce_bucket_size: int | str | None = None
+    allreduce_bucket_size: int | str | None = None
+    allgather_bucket_size: int | str | None = None
+    stage3_prefetch_bucket_size: int | str | None = None
+    stage3_max_live_parameters: int | str | None = None
+    stage3_max_reuse_distance: int | str | None = None
     gpus: int | None = None
     dp: int | None = None
     tp: int = 1
@@ -227,12 +228,23 @@ BUFFER_KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "overlap_comm", "ove
                 "overlap_param_gather", "contiguous_gradients",
                 "reduce_bucket_size", "allreduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                 "stage3_max_live_parameters", "stage3_max_reuse_distance")
+# the knobs DeepSpeed's config counts in elements (its own defaults are written 5e8, 1e9)
+ELEMENT_COUNT_KNOBS = ("reduce_bucket_size", "allreduce_bucket_size", "allgather_bucket_size",
+                       "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")
 IMPORT_FIELDS = ("deepspeed_config", "megatron_args", "torchtitan_config")
 SHAPE_CHOICE_FIELDS = ("mlp", "norm", "tied_embeddings", "positions", "bias", "qkv_bias", "head_bias", "block",
                        "max_positions")
 MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_experts", "first_dense_layers")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
 ARCH_FIELDS = ("head_dim", *MOE_FIELDS, *MLA_FIELDS)
+
+
+def _buffer_knob(o: RunOptions, field: str) -> Any:
+    """A framework buffer knob's value; DeepSpeed's element counts as typed (5e8, 500M) parsed to an int."""
+    v = getattr(o, field)
+    if field in ELEMENT_COUNT_KNOBS and isinstance(v, str):
+        return parse_count(v, "--" + field.replace("_", "-"), examples="5e8, 500M, 500000000")
+    return v
 
 
 def _shape_choices(o: RunOptions) -> dict[str, Any]:
@@ -487,7 +499,7 @@ def build_run(o: RunOptions) -> Run:
             double_quant=o.double_quant, quant_backend=o.quant_backend, quantize_head=o.quantize_head,
             freeze=_freeze_items(o.freeze), base_lr=o.base_lr, base_batch=o.base_batch,
             base_warmup_steps=o.base_warmup_steps,
-            **{k: getattr(o, k) for k in BUFFER_KNOBS},
+            **{k: _buffer_knob(o, k) for k in BUFFER_KNOBS},
         )
         parallel = ParallelSpec(
             gpus=o.gpus, dp=o.dp, tp=o.tp, pp=o.pp, vpp=o.vpp, cp=o.cp, ep=o.ep, sp=o.sp, zero=o.zero,

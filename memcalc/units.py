@@ -27,10 +27,10 @@ GB = 10**9
 UNIT_BYTES = {"GiB": GIB, "GB": GB}
 
 
-def parse_count(text: str | int | float, what: str = "--params") -> int:
+def parse_count(text: str | int | float, what: str = "--params", examples: str = "7B, 1.5e9, 124M") -> int:
     """'7B' -> 7_000_000_000, '1.5e9' -> 1_500_000_000, '175B', '124M', '7,000,000'."""
     if isinstance(text, bool):
-        raise InputError(f"{what} {text!r} is not a count; use e.g. 7B, 1.5e9, 124M")
+        raise InputError(f"{what} {text!r} is not a count; use e.g. {examples}")
     if isinstance(text, int):
         value = float(text)
     elif isinstance(text, float):
@@ -38,10 +38,10 @@ def parse_count(text: str | int | float, what: str = "--params") -> int:
     else:
         m = _COUNT_RE.match(str(text))
         if not m:
-            raise InputError(f"{what} {text!r} is not a count; use e.g. 7B, 1.5e9, 124M, 7000000000")
+            raise InputError(f"{what} {text!r} is not a count; use e.g. {examples}")
         value = float(m.group(1).replace(",", "").replace("_", "")) * _COUNT_SUFFIX[m.group(2).upper()]
     if not math.isfinite(value) or value < 1:
-        raise InputError(f"{what} {text!r} must be a positive count; use e.g. 7B, 1.5e9, 124M")
+        raise InputError(f"{what} {text!r} must be a positive count; use e.g. {examples}")
     return int(round(value))
 
 

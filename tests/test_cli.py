@@ -47,7 +47,12 @@ BAD_INPUTS = [
     (["--params", "-7B"], "--params"),
     (["--model", "llama-2-7b", "--offload", "params", "--zero", "2"], "--offload params"),
     (["--model", "llama-2-7b", "--mfu", "1.5"], "--mfu"),
-    (["--model", "llama-2-7b", "--gpus", "abc"], "--gpus"),
+    (["--model", "llama-2-7b", "--gpus", "abc"], "--gpus 'abc' is not a whole number"),
+    (["--model", "llama-2-7b", "--seq=8k"], "--seq '8k' is not a whole number"),
+    (["--model", "llama-2-7b", "-g", "1.5"], "--gpus '1.5' is not a whole number"),
+    (["--model", "llama-2-7b", "--dropout", "none"], "--dropout 'none' is not a number"),
+    (["--model", "llama-2-7b", "--profile", "deepspeed", "--reduce-bucket-size", "5x"],
+     "--reduce-bucket-size '5x' is not a count"),
     (["--model", "llama-2-7b", "--order", "tp,pp,dp"], "--order"),
     (["--model", "llama-2-7b", "--keep-logits", "yes"], "--keep-logits 'yes'"),
     (["--model", "llama-2-7b", "--keep-logits", "fp32", "--loss", "chunked"], "--loss chunked"),
@@ -63,7 +68,7 @@ BAD_INPUTS = [
     (["--model", "llama-2-7b", "--optimizer-impl", "apex"], "--optimizer-impl 'apex'"),
     (["--model", "llama-2-7b", "--foreach", "--optimizer-impl", "fused"], "--foreach contradicts --optimizer-impl"),
     (["--model", "llama-2-7b", "--gpus", "8", "--bucket-cap-mb", "0"], "--bucket-cap-mb 0.0"),
-    (["--model", "llama-2-7b", "--reduce-bucket-size", "0"], "--reduce-bucket-size 0"),
+    (["--model", "llama-2-7b", "--reduce-bucket-size", "0"], "--reduce-bucket-size '0' must be a positive count"),
     (["--model", "llama-2-7b", "--recompute-every", "2"], "--recompute-every 2 needs --recompute full"),
     (["--model", "llama-2-7b", "--recompute", "full", "--recompute-every", "2", "--recompute-layers", "4"],
      "give one of them"),
@@ -196,6 +201,18 @@ def test_presets_list_and_show():
     assert d["derived"]["total_params"] == 6_738_415_616
     code, _, err = cli("presets", "show", "nonesuch")
     assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_deepspeed_element_counts_take_the_configs_notation():
+    """DeepSpeed writes its element counts as 5e8 (its own defaults, and the help's): the flags take that, 500M and
+    500000000 alike. ZeRO-2 (overlap_comm off, DeepSpeed's default below stage 3) keeps one reduce bucket of that many
+    bf16 elements: 2e8 x 2 B."""
+    figures = set()
+    for v in ("2e8", "200M", "200000000"):
+        d = cli_json("estimate", "--model", "llama-2-7b", "--profile", "deepspeed", "--zero", "2", "--gpus", "8",
+                     "--reduce-bucket-size", v)
+        figures.add(d["memory"]["buffers_detail"]["zero_ipg_buffers"])
+    assert figures == {200_000_000 * 2}
 
 
 def test_python_dash_m_and_no_torch_import():

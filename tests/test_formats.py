@@ -84,6 +84,10 @@ def test_min_headroom_bytes_and_percent():
     pct_ok = int(room / cap * 100) - 1
     assert cli(*FITS, "--min-headroom", f"{pct_ok}%")[0] == 0  # --min-headroom implies --check
     assert cli(*FITS, "--min-headroom", f"{pct_ok + 2}%")[0] == 1
+    # a bare number below 1 is the same share (plan's form): 0.1 was read as 0.1 bytes before, a check that
+    # always passed
+    assert cli(*FITS, "--min-headroom", f"{pct_ok / 100}")[0] == 0
+    assert cli(*FITS, "--min-headroom", f"{(pct_ok + 2) / 100}")[0] == 1
     # the JSON on stdout stays clean when the check fails
     code, out, err = cli(*FITS, "--json", "--min-headroom", "99%")
     assert code == 1 and json.loads(out)["memory"]["fits"] is True

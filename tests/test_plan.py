@@ -378,6 +378,21 @@ def test_offload_no_longer_wins_on_an_untimed_cpu_step():
     assert est["tokens_per_second"] == pytest.approx(off[0]["search"]["tokens_per_second"], rel=1e-9)
 
 
+def test_cli_min_headroom_takes_a_percentage_as_estimate_does():
+    """`plan --min-headroom 10%` and `0.1` are the same request (estimate's --min-headroom takes both too)."""
+    base = ["plan", "--model", "llama-2-7b", "--gpus", "8", "--global-batch", "32", "--seq", "2048", "--pp", "1",
+            "--cp", "1", "--json"]
+    outs = []
+    for v in ("10%", "0.1"):
+        code, out, err = cli(*base, "--min-headroom", v)
+        assert code == 0, err
+        outs.append(json.loads(out))
+    assert outs[0]["inputs"]["min_headroom"] == outs[1]["inputs"]["min_headroom"] == 0.1
+    for o in outs:
+        o["search"].pop("wall_seconds")
+    assert outs[0]["search"] == outs[1]["search"] and outs[0]["search"]["rejected"]["below_min_headroom"] > 0
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--tp", "0"], "--tp"),
     (["--tp", "two"], "--tp"),
@@ -387,7 +402,9 @@ def test_offload_no_longer_wins_on_an_untimed_cpu_step():
     (["--sp", "maybe"], "--sp"),
     (["--offload", "disk"], "--offload"),
     (["--objective", "speed"], "--objective"),
-    (["--min-headroom", "1.5"], "--min-headroom"),
+    (["--min-headroom", "1.5"], "--min-headroom '1.5': plan keeps a share of each GPU's memory free"),
+    (["--min-headroom", "5GiB"], "give e.g. 10% or 0.1"),
+    (["--min-headroom", "100%"], "--min-headroom '100%' must be a percentage in [0, 100)"),
     (["--top", "0"], "--top"),
     (["--tp", "5", "--pp", "1"], "no configuration"),
     (["--units", "MB"], "--units"),

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
+from memcalc.errors import InputError
 from memcalc.plan.search import SEARCH_FIELDS
 
 _S = "Search"
@@ -59,8 +60,8 @@ def plan_command(
     recompute: Annotated[str, _bound("--recompute", "Recompute modes (none, selective, full)")] = "auto",
     sp: Annotated[str, _bound("--sp", "Sequence parallel (on, off)")] = "auto",
     offload: Annotated[str, _bound("--offload", "Offload modes (none, optimizer, params)")] = "auto",
-    min_headroom: Annotated[float, typer.Option("--min-headroom", help="Fraction of GPU memory to keep free "
-                                                "(e.g. 0.1).", rich_help_panel=_S)] = 0.0,
+    min_headroom: Annotated[str, typer.Option("--min-headroom", help="Share of GPU memory to keep free (10% or "
+                                              "0.1).", rich_help_panel=_S)] = "0",
     objective: Annotated[str, typer.Option("--objective", help="throughput (tokens/s) | memory (lowest peak) | "
                                            "gpus (fewest GPUs, a divisor of --gpus).", rich_help_panel=_S)]
     = "throughput",
@@ -79,12 +80,17 @@ def plan_command(
     from memcalc.options import check_choice
     from memcalc.plan.search import Request, plan
     from memcalc.plan.space import parse_bounds
+    from memcalc.report.formats import share_of_capacity
 
     units = check_choice("units", units) or "GiB"
     bounds = parse_bounds(tp=tp, pp=pp, vpp=vpp, cp=cp, micro_batch=micro_batch, zero=zero, recompute=recompute,
                           sp=sp, offload=offload)
+    share = share_of_capacity(min_headroom, "--min-headroom")
+    if share is None:
+        raise InputError(f"--min-headroom {min_headroom!r}: plan keeps a share of each GPU's memory free; give e.g. "
+                         "10% or 0.1")
     req = Request(options=run_options_from(kwargs), bounds=bounds, objective=objective.strip().lower(),
-                  min_headroom=min_headroom, top=top)
+                  min_headroom=share, top=top)
     progress = _LazyProgress()
     try:
         result = plan(req, progress=progress)

@@ -42,27 +42,43 @@ def output_format(fmt: str | None, json_out: bool) -> str:
 
 # --- --check / --min-headroom ------------------------------------------------------------------------------------
 
+def share_of_capacity(text: str, flag: str) -> float | None:
+    """A share of memory as typed: '10%' or a bare number below 1 ('0.1') -> 0.1; None for anything else (a size:
+    '5GiB', '4e9'). A share outside [0, 1) is an InputError naming the value."""
+    t = text.strip()
+    pct = t.endswith("%")
+    try:
+        v = float(t[:-1] if pct else t)
+    except ValueError:
+        if pct:
+            raise InputError(f"{flag} {text!r} is not valid; use e.g. 10% or 0.1") from None
+        return None
+    if pct:
+        if not 0 <= v < 100:
+            raise InputError(f"{flag} {text!r} must be a percentage in [0, 100)")
+        return v / 100
+    if v < 0:
+        raise InputError(f"{flag} {text!r} must not be negative; use e.g. 10% or 0.1")
+    return v if v < 1 else None
+
+
 class Headroom:
-    """--min-headroom: bytes (5GiB, 4e9) or a share of the GPU's capacity (10%)."""
+    """--min-headroom: a share of the GPU's capacity (10%, or a bare number below 1: 0.1, as `plan` takes it) or
+    bytes (5GiB, 4GB, 4e9: a bare number of 1 or more)."""
 
     def __init__(self, text: str) -> None:
         self.text = text
         t = text.strip()
         self.fraction: float | None = None
         self.bytes: int | None = None
-        if t.endswith("%"):
-            try:
-                pct = float(t[:-1])
-            except ValueError:
-                raise InputError(f"--min-headroom {text!r} is not valid; use e.g. 5GiB or 10%") from None
-            if not 0 <= pct < 100:
-                raise InputError(f"--min-headroom {text!r} must be a percentage in [0, 100)")
-            self.fraction = pct / 100
-        else:
-            try:
-                self.bytes = parse_bytes(t, "--min-headroom")  # a plain number is bytes
-            except InputError:
-                raise InputError(f"--min-headroom {text!r} is not valid; use e.g. 5GiB, 4GB or 10%") from None
+        share = share_of_capacity(text, "--min-headroom")
+        if share is not None:
+            self.fraction = share
+            return
+        try:
+            self.bytes = parse_bytes(t, "--min-headroom")
+        except InputError:
+            raise InputError(f"--min-headroom {text!r} is not valid; use e.g. 10%, 0.1, 5GiB or 4GB") from None
 
     def required(self, capacity: int) -> int:
         return int(self.fraction * capacity) if self.fraction is not None else int(self.bytes or 0)
