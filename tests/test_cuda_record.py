@@ -369,3 +369,26 @@ def test_allocator_replay_matches_the_h200_reserved(row):
     if xbar is not None:
         x = next(e for e in H200_EXPANDABLE["results"] if e["id"] == row)["report"]["cuda"]["measured_reserved_bytes"]
         assert abs(rep["expandable_reserved_peak_bytes"] - x) <= xbar * x, (rep["expandable_reserved_peak_bytes"], x)
+
+
+@pytest.mark.parametrize("records, allocator", [((DEFAULT, H200), "default"),
+                                                ((EXPANDABLE, H200_EXPANDABLE), "expandable")])
+def test_the_reserved_error_band_covers_the_records(records, allocator):
+    """`memory.tight` (fragmentation.RESERVED_SHORTFALL_FRACTION) says a fit is inside the model's measured error
+    when the headroom is below that share of the peak. The share must cover what the records measured:
+    max_memory_reserved() <= memcalc's reserved x (1 + share) on every recorded run but the H100's MoE row 28
+    (+22.4%, not replayable). Worst now: +12.08% on the default allocator (H200 rows 33 and 36, memcalc -10.8%),
+    +4.62% with expandable segments (H100 row 23)."""
+    from memcalc.cost.fragmentation import RESERVED_SHORTFALL_FRACTION
+
+    share = RESERVED_SHORTFALL_FRACTION[allocator]
+    worst = 0.0
+    for data in records:
+        for e in data["results"]:
+            if "report" not in e or (data is DEFAULT and e["id"] == 28):
+                continue
+            m, p = gv.measured(e), gv.predict(e["opts"], expandable=allocator == "expandable")
+            worst = max(worst, (m["reserved"] - p["reserved"]) / p["reserved"])
+    assert worst <= share
+    # and the share is no wider than the records need (a margin of under 1 point)
+    assert share - worst < 0.01, (share, worst)

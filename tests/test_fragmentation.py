@@ -183,3 +183,28 @@ def test_allocator_option_bad_value_is_one_line():
 
     code, _, err = cli("estimate", "--model", "gpt2", "--allocator", "cuda-async")
     assert code == 2 and err.count("\n") == 1 and "--allocator 'cuda-async'" in err and "expandable" in err
+
+
+def test_a_fit_inside_the_models_measured_error_is_called_tight():
+    """Llama-2-7B shape (--params 7B) over TP 2 on an H100 80GB: it fits with 0.51 GiB to spare, less than the
+    12.5% by which the GPU records reserved more than memcalc's figure (fragmentation.RESERVED_SHORTFALL_FRACTION):
+    tight, and the table says how to check. With expandable segments it fits with 11.80 GiB, above its 5% band; with
+    --fragmentation the fraction is the user's own and no band applies."""
+    from tests.conftest import cli, cli_json
+
+    base = ("estimate", "--params", "7B", "--tp", "2")
+    m = cli_json(*base)["memory"]
+    assert m["fits"] and m["tight"]
+    assert m["reserved_error_bytes"] == int(m["peak_bytes"] * 0.125) > m["headroom_bytes"] > 0
+    code, out, _ = cli(*base)
+    assert code == 0 and "Tight: the headroom is within the reserved-memory model's error" in " ".join(out.split())
+    code, out, _ = cli(*base, "--format", "markdown")
+    assert "Tight:" in out
+    e = cli_json(*base, "--allocator", "expandable")["memory"]
+    assert e["fits"] and not e["tight"]
+    assert e["reserved_error_bytes"] == int(e["peak_bytes"] * 0.05) < e["headroom_bytes"]
+    own = cli_json(*base, "--fragmentation", "0.03")["memory"]
+    assert own["reserved_error_bytes"] == 0 and not own["tight"]
+    # a configuration that does not fit is not "tight": it is short
+    short = cli_json("estimate", "--params", "70B")["memory"]
+    assert not short["fits"] and not short["tight"]

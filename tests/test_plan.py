@@ -322,7 +322,7 @@ def test_cli_json_contract():
                          "--global-batch", "32", "--seq", "2048", "--pp", "1,2", "--top", "2", "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert data["schema_version"] == "1.3" and data["kind"] == "plan"
+    assert data["schema_version"] == "1.4" and data["kind"] == "plan"
     assert set(data) == {"schema_version", "kind", "inputs", "search", "plans", "pareto", "advice"}
     assert set(data["search"]) >= {"considered", "rejected", "evaluated", "feasible", "wall_seconds"}
     assert data["inputs"]["bounds"]["pp"] == [1, 2] and data["inputs"]["bounds"]["tp"] == "auto"
@@ -330,6 +330,28 @@ def test_cli_json_contract():
     for p in data["plans"]:
         assert set(p) >= {"command", "layout", "search", "memory", "communication", "compute"}
         assert p["layout"]["pp"] in (1, 2)
+
+
+def test_tight_rows_are_those_inside_the_reserved_error_band():
+    """`search.tight` is estimate's `memory.tight` for the row (headroom below 12.5% of the peak, the GPU records'
+    largest reserved miss; fragmentation.RESERVED_SHORTFALL_FRACTION), and the table marks the free column with *.
+    Llama-2-7B on 8 H100s, batch 64 x 4096: ZeRO-2 over cp 4 has 8.75 GiB free at a 70.9 GiB peak (12.3%): tight;
+    ZeRO-2 without cp 9.42 GiB at 70.2 GiB (13.4%): not."""
+    args = ("plan", "--model", "llama-2-7b", "--gpus", "8", "--global-batch", "64", "--pp", "1", "--tp", "1",
+            "--zero", "2", "--recompute", "none", "--offload", "none", "--top", "3")
+    code, out, err = cli(*args, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    rows = data["plans"] + data["pareto"]
+    assert {r["search"]["tight"] for r in rows} == {True, False}
+    for r in rows:
+        f = r["search"]
+        assert f["tight"] == (f["headroom_bytes"] < int(f["peak_bytes"] * 0.125))
+    for p in data["plans"]:
+        assert p["memory"]["tight"] == p["search"]["tight"]
+        assert p["memory"]["peak_bytes"] == p["search"]["peak_bytes"]
+    code, out, _ = cli(*args)
+    assert "*" in out and "reserved-memory model's measured error" in " ".join(out.split())
 
 
 def test_cli_table():

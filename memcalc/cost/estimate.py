@@ -11,12 +11,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from memcalc import __version__
-from memcalc.cost.fragmentation import first_step_stranded_bytes, fragmentation_bytes, slack_bytes
+from memcalc.cost.fragmentation import first_step_stranded_bytes, fragmentation_bytes, reserved_error_bytes, slack_bytes
 from memcalc.cost.params import stage_layers, total_params, zero1_worst_dp_index
 from memcalc.cost.timeline import CATEGORIES, StageMemory, stage_memory
 from memcalc.specs import Run
 
-SCHEMA_VERSION = "1.25"
+SCHEMA_VERSION = "1.26"
 
 
 class _Out(BaseModel):
@@ -78,6 +78,10 @@ class Memory(_Out):
     phases: list[PhaseOut]
     stages: list[StageOut]
     advice: list[Advice]
+    # the largest under-estimate of reserved memory measured on the GPU records for this allocator, scaled to the
+    # worst rank's peak (fragmentation.reserved_error_bytes); `tight`: it fits with less headroom than that
+    reserved_error_bytes: int = 0
+    tight: bool = False
     # where it does not fit and no single change fits as cheaply: the cheapest changes stacked until it does, on
     # the same GPUs (advice.combine); None otherwise
     advice_combined: Advice | None = None
@@ -280,6 +284,7 @@ def estimate(run: Run, stage: int | None = None, advice: bool = True) -> Estimat
     capacity = run.hardware.memory_bytes
     headline_peak = so.peak_bytes
     fits = worst.peak_bytes <= capacity
+    error_bytes = reserved_error_bytes(run, worst.peak_bytes)
     singles = advice_mod.advise(run, worst.peak_bytes) if advice else []
     memory = Memory(
         components=so.components,
@@ -319,6 +324,8 @@ def estimate(run: Run, stage: int | None = None, advice: bool = True) -> Estimat
         phases=so.phases,
         stages=[r[1] for r in reports],
         advice=singles,
+        reserved_error_bytes=error_bytes,
+        tight=fits and capacity - worst.peak_bytes < error_bytes,
         advice_combined=advice_mod.advise_combined(run, worst.peak_bytes, singles) if advice else None,
     )
     colls = comm.collectives(run)

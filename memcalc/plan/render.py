@@ -55,13 +55,16 @@ def _config_table(title: str, rows: list[dict[str, Any]], units: str, ranked: bo
         if show_gpus:
             cells.append(str(lay["gpus"]))
         cells += [_layout(lay), _opts(lay), f"{lay['micro_batch']}x{lay['grad_accum']}", _b(f["peak_bytes"], units),
-                  _b(f["headroom_bytes"], units), f"{f['step_seconds']:,.2f}", _k(f["tokens_per_second"]),
+                  _b(f["headroom_bytes"], units) + ("*" if f.get("tight") else ""), f"{f['step_seconds']:,.2f}", _k(f["tokens_per_second"]),
                   f"{f['mfu']:.1%}"]
         t.add_row(*cells)
     return t
 
 
 PARETO_ROWS = 12
+TIGHT_NOTE = ("* free memory within the reserved-memory model's measured error (12.5% of the peak with the default "
+              "allocator, 5% with expandable segments; docs/methodology.md): `memcalc validate` with the row's flags "
+              "and `--device meta --world fake` replays the allocator")
 OFFLOAD_NOTE = ("offload (off-opt, off-par): step s includes the CPU optimizer step at an assumed host rate "
                 "(--cpu-optimizer-rate, parameters/s per node)")
 
@@ -101,6 +104,8 @@ def render_plan(result: dict[str, Any], units: str = "GiB", console: Console | N
                               f"{len(result['pareto'])} shown)",
                               front, units, ranked=False))
     shown = result["plans"] + front
+    if any(r["search"].get("tight") for r in shown):
+        c.print(TIGHT_NOTE, highlight=False, markup=False)
     if any(r["layout"]["offload"] != "none" for r in shown):
         c.print(OFFLOAD_NOTE, highlight=False, markup=False)
     if not result["advice"]:

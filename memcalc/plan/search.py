@@ -36,14 +36,14 @@ from typing import Any
 import numpy as np
 
 from memcalc.cost.estimate import runtime_bytes
-from memcalc.cost.fragmentation import fragmentation_bytes
+from memcalc.cost.fragmentation import RESERVED_SHORTFALL_FRACTION, fragmentation_bytes
 from memcalc.cost.timeline import stage_memory
 from memcalc.errors import InputError
 from memcalc.options import RunOptions, build_run
 from memcalc.plan.space import RULES, Bounds, Combo, Space, divisors, enumerate_space
 from memcalc.specs import Run
 
-PLAN_SCHEMA_VERSION = "1.3"
+PLAN_SCHEMA_VERSION = "1.4"
 OBJECTIVES: tuple[str, ...] = ("throughput", "memory", "gpus")
 # The options `plan` searches over or derives; everything else in memcalc.cli.RUN_OPTIONS is shared with estimate.
 SEARCH_FIELDS: tuple[str, ...] = ("tp", "pp", "vpp", "cp", "micro_batch", "zero", "recompute", "sp", "offload",
@@ -405,9 +405,13 @@ def layout_of(res: SearchResult, pair: int, combo: int) -> dict[str, Any]:
 
 def _figures(res: SearchResult, cols: Columns, i: int) -> dict[str, Any]:
     peak = int(cols.peak[i])
+    o = res.options
+    # within the reserved-memory model's measured error (estimate's `memory.tight`; fragmentation.py)
+    share = 0.0 if o.fragmentation is not None else RESERVED_SHORTFALL_FRACTION[o.allocator]
     return {
         "peak_bytes": peak, "headroom_bytes": res.capacity - peak, "step_seconds": float(cols.step[i]),
         "tokens_per_second": float(cols.tps[i]), "mfu": float(cols.mfu[i]),
+        "tight": res.capacity - peak < int(peak * share),
     }
 
 

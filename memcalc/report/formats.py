@@ -40,6 +40,20 @@ def output_format(fmt: str | None, json_out: bool) -> str:
     return f
 
 
+def tight_note(est: Estimate, units: str) -> str:
+    """The line under a fit whose headroom is inside the reserved-memory model's measured error (`memory.tight`;
+    fragmentation.RESERVED_SHORTFALL_FRACTION)."""
+    mem = est.memory
+    expandable = est.inputs["training"]["allocator"] == "expandable"
+    share = mem.reserved_error_bytes / max(1, mem.peak_bytes)
+    line = (f"Tight: the headroom is within the reserved-memory model's error (the H100/H200 records reserved up to "
+            f"{share:.1%} more than memcalc's figure: {format_bytes(mem.reserved_error_bytes, units)} here). `memcalc "
+            "validate` with these flags and `--device meta --world fake` replays the allocator")
+    if not expandable:
+        line += "; `--allocator expandable` narrows the error to 5%"
+    return line + "."
+
+
 # --- --check / --min-headroom ------------------------------------------------------------------------------------
 
 def share_of_capacity(text: str, flag: str) -> float | None:
@@ -245,6 +259,8 @@ def render_markdown(est: Estimate, units: str = "GiB") -> str:
     if mem.fits:
         out.append(f"**FITS**: headroom {format_bytes(mem.headroom_bytes, units)} "
                    f"({mem.headroom_bytes / mem.capacity_bytes:.0%}).")
+        if mem.tight:
+            out.append(tight_note(est, units))
     else:
         out.append(f"**DOES NOT FIT**: {format_bytes(-mem.headroom_bytes, units)} short.")
     comm, comp = est.communication, est.compute

@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from memcalc.cost.estimate import Advice, Estimate
-from memcalc.report.formats import recompute_text
+from memcalc.report.formats import recompute_text, tight_note
 from memcalc.specs import Run
 from memcalc.units import UNIT_BYTES, format_bytes, format_count
 
@@ -253,6 +253,8 @@ def _render_verdict(est: Estimate, con: Console, units: str) -> None:
         con.print(Text(f"DOES NOT FIT: worst rank {mem.worst_rank} needs {format_bytes(worst, units)}, "
                        f"{format_bytes(-mem.headroom_bytes, units)} more than the {format_bytes(cap, units)} "
                        f"available.", style="bold red"))
+    if mem.tight:
+        con.print(Text(tight_note(est, units), style="yellow"))
     if mem.not_modelled:
         con.print(Text(f"(not yet modelled, so not in the peak: {', '.join(mem.not_modelled)})", style="yellow"))
     comp = est.compute
