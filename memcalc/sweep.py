@@ -138,7 +138,8 @@ def _cells(p: SweepPoint, units: str) -> list[str]:
     buf = "n/a" if "buffers" in mem.not_modelled else n(c.get("buffers", 0))
     step = f"{comp.step_seconds:,.2f}" if comp.modelled else "n/a"
     tps = f"{comp.tokens_per_second:,.0f}" if comp.modelled else "n/a"
-    return [n(states), act, buf, n(mem.peak_bytes), n(mem.headroom_bytes), "yes" if mem.fits else "NO", step, tps]
+    fits = ("tight" if mem.tight else "yes") if mem.fits else "NO"
+    return [n(states), act, buf, n(mem.peak_bytes), n(mem.headroom_bytes), fits, step, tps]
 
 
 _HEAD = ["states", "activ.", "buffers", "peak", "headroom", "fits", "step s", "tokens/s"]
@@ -180,9 +181,13 @@ def render_sweep_table(points: list[SweepPoint], units: str) -> None:
             t.add_row(str(p.value), Text(f"invalid: {p.error}", style="yellow"), *[""] * (len(_HEAD) - 1))
             continue
         cells = _cells(p, units)
-        style = "green" if p.estimate.memory.fits else "red"
+        style = ("yellow" if p.estimate.memory.tight else "green") if p.estimate.memory.fits else "red"
         t.add_row(str(p.value), *cells[:5], Text(cells[5], style=style), *cells[6:])
     con.print(t)
+    if any(p.estimate and p.estimate.memory.tight for p in points):
+        con.print(Text("tight: fits, with less headroom than the reserved-memory model's measured error "
+                       "(`memory.tight`; docs/methodology.md, \"How far to trust the reserved figure\")",
+                       style="yellow"))
     nm = sorted({x for p in points if p.estimate for x in p.estimate.memory.not_modelled})
     if nm:
         con.print(Text(f"(not yet modelled, so not in the peak: {', '.join(nm)})", style="yellow"))
