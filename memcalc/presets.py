@@ -108,6 +108,14 @@ def load_gpu(name: str) -> HardwareSpec:
 # --- Hugging Face config.json -------------------------------------------------------------------------------
 
 _HF_GELU = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu"}
+# Gemma's MLP is gated (gate_proj, up_proj, down_proj: GeGLU) with a GELU activation (modeling_gemma*.py GemmaMLP):
+# the same three matrices and saved tensors as SwiGLU. Its configs (configuration_gemma*.py) tie the LM head to the
+# embedding by default, so a saved config.json leaves tie_word_embeddings out.
+_GEMMA = {"gemma", "gemma2", "gemma3", "gemma3_text"}
+# the model types whose config.json fields this mapping reads in full; others are read by the same field names, with
+# a note that what else their layers do is not modelled
+_HF_KNOWN = {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3",
+             "gpt2", "gpt_neox", "gptj", "phi", "phi3", *_GEMMA}
 
 
 def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
@@ -141,8 +149,8 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
         block = "parallel"
     elif gptj or phi:
         block = "parallel-shared-norm"
-    act = str(get("hidden_act", "activation_function", default="silu")).lower()
-    gated = act not in _HF_GELU and not gpt2 and not neox and not gptj
+    act = str(get("hidden_activation", "hidden_act", "activation_function", default="silu")).lower()
+    gated = mt in _GEMMA or (act not in _HF_GELU and not gpt2 and not neox and not gptj)
     ffn = get("intermediate_size", "n_inner")
     if ffn is None:
         ffn = 4 * hidden
@@ -159,26 +167,39 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
         "norm": "layernorm" if (gpt2 or neox or gptj or phi) else "rmsnorm",
         # phi's every linear has a bias; GPT-J's MLP and LM head do, its q/k/v/out_proj not (linear_bias also
         # gives it an out_proj bias: h parameters per layer too many)
-        "qkv_bias": bool(gpt2 or neox or phi or mt == "qwen2" or get("attention_bias", default=False)),
+        # Qwen2 and Qwen2-MoE give q, k and v a bias (modeling_qwen2*.py: bias=True), whatever attention_bias says
+        "qkv_bias": bool(gpt2 or neox or phi or mt in ("qwen2", "qwen2_moe") or get("attention_bias", default=False)),
         "linear_bias": bool(gpt2 or neox or phi or gptj or get("mlp_bias", default=False)),
         "head_bias": bool(gptj or phi),
         "block": block,
-        "tied_embeddings": bool(get("tie_word_embeddings", default=gpt2)),
+        "tied_embeddings": bool(get("tie_word_embeddings", default=gpt2 or mt in _GEMMA)),
         "positions": "learned" if gpt2 else "rotary",
         "max_positions": get("max_position_embeddings", "n_positions", "n_ctx", default=0),
         "dropout": float(get("attention_dropout", "attn_pdrop", "hidden_dropout", default=0.0) or 0.0),
         "source": f"Hugging Face config.json at {where}",
     }
+    notes: list[str] = []
     experts = get("num_local_experts", "num_experts", "n_routed_experts")
     if experts:
+        expert_ffn = get("moe_intermediate_size", default=ffn)
+        # DeepSeek-V2/V3 (modeling_deepseek*.py): n_shared_experts of moe_intermediate_size each, and the first
+        # first_k_dense_replace layers keep a dense MLP of intermediate_size. Qwen2-MoE (modeling_qwen2_moe.py): one
+        # shared expert MLP of shared_expert_intermediate_size, i.e. that width / moe_intermediate_size experts
+        # of expert_ffn (MoESpec: one MLP of their summed width), behind a sigmoid gate of h weights
+        shared = get("n_shared_experts", default=0) or 0
+        shared_width = get("shared_expert_intermediate_size", default=0) or 0
+        if shared_width and not shared:
+            shared = max(1, round(shared_width / expert_ffn))
+            if shared * expert_ffn != shared_width:
+                notes.append(f"shared_expert_intermediate_size {shared_width} is not a multiple of "
+                             f"moe_intermediate_size {expert_ffn}: modelled as {shared} shared expert(s) of "
+                             f"{expert_ffn}")
+            notes.append("the shared expert's sigmoid gate (hidden_size weights per layer) is not counted")
         spec["moe"] = {
             "experts": experts,
             "top_k": get("num_experts_per_tok", default=2),
-            "expert_ffn": get("moe_intermediate_size", default=ffn),
-            # DeepSeek-V2/V3 (modeling_deepseek*.py): n_shared_experts of moe_intermediate_size each, and the first
-            # first_k_dense_replace layers keep a dense MLP of intermediate_size
-            "shared_experts": get("n_shared_experts", default=1 if get("shared_expert_intermediate_size") else 0)
-            or 0,
+            "expert_ffn": expert_ffn,
+            "shared_experts": shared,
             "first_dense_layers": get("first_k_dense_replace", default=0) or 0,
         }
     if get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3 DeepseekV3Attention)
@@ -190,7 +211,32 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
             "v_head_dim": get("v_head_dim"),
         }
         spec["head_dim"] = 0  # the query/key width, nope + rope (ModelSpec derives it; kv_heads = heads)
+    notes += _hf_unmodelled(cfg, mt)
+    spec["notes"] = tuple(notes)
     return _model_from_dict(spec, where)
+
+
+def _hf_unmodelled(cfg: dict[str, Any], mt: str) -> list[str]:
+    """What a config.json describes that ModelSpec does not carry, each with its effect on memory."""
+    out = []
+    if mt in ("gemma2", "gemma3", "gemma3_text"):
+        # modeling_gemma2.py Gemma2DecoderLayer: input, post_attention, pre_feedforward and post_feedforward norms
+        out.append("its layers have four RMSNorms, memcalc's two: the post-attention and post-feedforward norms' "
+                   "weights (2 x hidden_size per layer) and the inputs they save are not counted")
+    if mt in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"):
+        out.append("q_norm and k_norm (an RMSNorm over each head of q and k): their weights (2 x head_dim per "
+                   "layer) and the q and k copies they save are not counted")
+    if cfg.get("final_logit_softcapping"):
+        # Gemma2ForCausalLM.forward: logits / cap -> tanh -> * cap before the loss; tanh saves its output
+        out.append("final_logit_softcapping: the tanh over the logits saves one more logit-sized tensor (compute "
+                   "dtype x tokens x vocab_size bytes on the last stage), not counted")
+    if cfg.get("attn_logit_softcapping"):
+        out.append("attn_logit_softcapping: attention must run a kernel that supports it (eager, or flash-attn "
+                   ">= 2.6); memcalc models the --attention given")
+    if mt and mt not in _HF_KNOWN:
+        out.append(f"model_type {mt!r} is read by the field names of Llama, GPT-2 and GPT-NeoX configs; whatever "
+                   "else its layers hold is not modelled (check the parameter count against the model card)")
+    return out
 
 
 def load_model_file(path: Path) -> ModelSpec:

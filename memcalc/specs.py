@@ -102,6 +102,9 @@ class ModelSpec(_Frozen):
     # `--params N` with no model: model states use exactly N parameters, dimensions come from the shape above.
     params_override: int | None = Field(default=None, ge=1)
     source: str = ""
+    # what the source (a Hugging Face config.json) describes that the model above does not: each a plain sentence
+    # naming the feature and its effect (presets.model_from_hf_config); shown with the estimate, never silently lost
+    notes: tuple[str, ...] = ()
 
     @model_validator(mode="before")
     @classmethod

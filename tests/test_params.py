@@ -273,3 +273,63 @@ def test_preset_checker_agrees_with_the_library():
         errors, _ = mod.check_model(p, data)
         assert not errors, errors
         assert mod.param_count(data) == total_params(load_model(name)), name
+
+
+def test_hf_config_gemma2_gated_gelu_tied_and_its_unmodelled_parts_named():
+    """Gemma 2 9B's config.json (the fields of google/gemma-2-9b; transformers' Gemma2Config): a gated GELU MLP
+    (gate_proj, up_proj, down_proj: three matrices, as SwiGLU), the head tied to the embedding by the config class's
+    default (a saved config.json leaves tie_word_embeddings out), head_dim 256 != 3584 / 16.
+    Per layer: q 3584 x 16*256 + k, v 2 x 3584 x 8*256 + o 16*256 x 3584 = 44,040,192; MLP 3 x 3584 x 14336 =
+    154,140,672; two norms 2 x 3584 = 7,168 -> 198,188,032. x 42 = 8,323,897,344, + embedding 256000 x 3584 =
+    917,504,000 + final norm 3584 = 9,241,404,928. Gemma 2 9B has 9,241,705,984 (HF): the 2 x 3584 x 42 = 301,056
+    weights of the two norms memcalc does not carry, which the notes say."""
+    from memcalc.presets import model_from_hf_config
+
+    cfg = {"model_type": "gemma2", "hidden_size": 3584, "num_hidden_layers": 42, "num_attention_heads": 16,
+           "num_key_value_heads": 8, "head_dim": 256, "intermediate_size": 14336, "vocab_size": 256000,
+           "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+           "max_position_embeddings": 8192, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+           "sliding_window": 4096, "query_pre_attn_scalar": 256}
+    spec = model_from_hf_config(cfg, "config.json")
+    assert (spec.mlp, spec.tied_embeddings, spec.head_dim) == ("swiglu", True, 256)
+    layer = 3584 * 16 * 256 + 2 * 3584 * 8 * 256 + 16 * 256 * 3584 + 3 * 3584 * 14336 + 2 * 3584
+    assert layer == 198_188_032
+    assert total_params(spec) == 42 * layer + 256000 * 3584 + 3584 == 9_241_404_928 == 9_241_705_984 - 301_056
+    notes = " ".join(spec.notes)
+    assert "four RMSNorms" in notes and "final_logit_softcapping" in notes and "attn_logit_softcapping" in notes
+    # an explicit key wins over the class default
+    assert model_from_hf_config(dict(cfg, tie_word_embeddings=False), "x").tied_embeddings is False
+
+
+def test_hf_config_qwen2_moe_shared_expert_width_and_qkv_bias():
+    """Qwen1.5-MoE-A2.7B's config.json (model_type qwen2_moe): 60 experts of 1408, top-4, one shared expert MLP of
+    5632 = 4 x 1408 (memcalc: 4 shared experts of expert_ffn, one MLP of their summed width; it was counted as one of
+    1408), and Qwen2's q/k/v biases. Per layer: attention 4 x 2048^2 + 3 x 2048 = 16,783,360; experts 60 x 3 x 2048 x
+    1408 = 519,045,120; shared 3 x 2048 x 5632 = 34,603,008; router 60 x 2048 = 122,880; norms 4,096 ->
+    570,558,464. x 24 + embedding and untied head 2 x 151936 x 2048 + final norm 2048 = 14,315,735,040 (14.3B on
+    the model card; the shared expert's gate, 2048 weights per layer, is noted as not counted)."""
+    from memcalc.presets import model_from_hf_config
+
+    cfg = {"model_type": "qwen2_moe", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16,
+           "num_key_value_heads": 16, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+           "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,
+           "vocab_size": 151936, "hidden_act": "silu", "tie_word_embeddings": False}
+    spec = model_from_hf_config(cfg, "config.json")
+    assert spec.qkv_bias and spec.moe.shared_experts == 4 and spec.moe.expert_ffn == 1408
+    layer = 4 * 2048**2 + 3 * 2048 + 60 * 3 * 2048 * 1408 + 3 * 2048 * 5632 + 60 * 2048 + 2 * 2048
+    assert layer == 570_558_464
+    assert total_params(spec) == 24 * layer + 2 * 151936 * 2048 + 2048 == 14_315_735_040
+    assert any("shared expert's sigmoid gate" in n for n in spec.notes)
+
+
+def test_hf_config_notes_name_what_is_not_modelled_and_presets_have_none():
+    from memcalc.presets import model_from_hf_config
+
+    llama = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "intermediate_size": 11008, "vocab_size": 32000, "tie_word_embeddings": False}
+    assert model_from_hf_config(llama, "x").notes == ()
+    assert load_model("llama-2-7b").notes == ()
+    qwen3 = dict(llama, model_type="qwen3", head_dim=128)
+    assert any("q_norm and k_norm" in n for n in model_from_hf_config(qwen3, "x").notes)
+    other = model_from_hf_config(dict(llama, model_type="falcon_mamba"), "x")
+    assert any("model_type 'falcon_mamba'" in n for n in other.notes)

@@ -274,6 +274,10 @@ def render_markdown(est: Estimate, units: str = "GiB") -> str:
     if notes:
         out.append("")
         out += [f"> {line}  " for line in notes]
+    model_notes = inp["model"].get("notes") or ()
+    if model_notes:
+        out.append("")
+        out += [f"- {inp['model']['display_name'] or inp['model']['name']}: {n}" for n in model_notes]
     if mem.not_modelled:
         out += ["", f"_Not yet modelled, so not in the peak: {', '.join(mem.not_modelled)}._"]
     return "\n".join(out) + "\n"

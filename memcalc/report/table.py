@@ -120,6 +120,8 @@ def render_estimate(est: Estimate, run: Run, units: str = "GiB", explain: bool =
                        f"{model['total_params']:,} parameters; activations and compute assume the "
                        f"{model['assumed_shape']} shape (h {model['hidden']}, {model['layers']} layers, "
                        f"{model['heads']} heads). Use --model for another shape.", style="yellow"))
+    for note in model.get("notes") or ():
+        con.print(Text(f"· {model['display_name'] or model['name']}: {note}", style="yellow"))
     for note in inp["recipe"]["notes"]:
         con.print(Text(f"· {note}", style="dim"))
 
