@@ -130,6 +130,15 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
         return default
 
     hidden = get("hidden_size", "n_embd", "d_model")
+    text = cfg.get("text_config")
+    if hidden is None and isinstance(text, dict):
+        # a multimodal checkpoint (Gemma 3, Llama 4, Mistral 3, ...): the language model's fields in text_config
+        inner = model_from_hf_config({"_name_or_path": cfg.get("_name_or_path"), **text}, where)
+        towers = sorted(k.removesuffix("_config") for k, v in cfg.items()
+                        if k.endswith("_config") and k != "text_config" and isinstance(v, dict))
+        note = ("the language model read from text_config" + (f"; the {', '.join(towers)} tower(s) and projector "
+                "are not counted" if towers else ""))
+        return inner.model_copy(update={"notes": (note, *inner.notes)})
     if hidden is None:
         raise InputError(f"{where} has no hidden_size (or n_embd); it is not a transformer config.json")
     layers = get("num_hidden_layers", "n_layer", "num_layers")

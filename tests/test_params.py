@@ -14,6 +14,7 @@ from memcalc.cost.params import (
     total_params,
 )
 from memcalc.presets import load_model, model_names, model_preset_data
+from memcalc.errors import InputError
 from memcalc.specs import HardwareSpec, ParallelSpec, TrainingSpec, resolve
 from tests.conftest import run_of
 
@@ -333,3 +334,23 @@ def test_hf_config_notes_name_what_is_not_modelled_and_presets_have_none():
     assert any("q_norm and k_norm" in n for n in model_from_hf_config(qwen3, "x").notes)
     other = model_from_hf_config(dict(llama, model_type="falcon_mamba"), "x")
     assert any("model_type 'falcon_mamba'" in n for n in other.notes)
+
+
+def test_hf_multimodal_config_reads_its_text_config():
+    """A multimodal checkpoint's config.json (Gemma 3 27B: Gemma3ForConditionalGeneration) keeps the language model
+    in text_config: memcalc reads that, the same model as the text config alone, and notes the vision tower it
+    leaves out."""
+    from memcalc.presets import model_from_hf_config
+
+    text = {"model_type": "gemma3_text", "hidden_size": 5376, "num_hidden_layers": 62, "num_attention_heads": 32,
+            "num_key_value_heads": 16, "head_dim": 128, "intermediate_size": 21504, "vocab_size": 262208,
+            "hidden_activation": "gelu_pytorch_tanh"}
+    full = {"model_type": "gemma3", "text_config": text,
+            "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "num_hidden_layers": 27}}
+    alone, mm = model_from_hf_config(text, "x"), model_from_hf_config(full, "x")
+    assert mm.model_copy(update={"notes": alone.notes}) == alone
+    assert mm.notes[0] == "the language model read from text_config; the vision tower(s) and projector are not counted"
+    assert mm.notes[1:] == alone.notes
+    # without text_config, no hidden size is still a clear error
+    with pytest.raises(InputError, match="has no hidden_size"):
+        model_from_hf_config({"model_type": "gemma3", "vision_config": {}}, "config.json")
