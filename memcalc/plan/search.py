@@ -358,9 +358,27 @@ def search(req: Request, progress: Progress | None = None, keep_closest: int = 3
 _OFFLOAD_RANK = {"none": 0, "optimizer": 1, "params": 2}
 
 
+# Throughputs within this share of each other rank as equal where it matters: the time model (assumed kernel
+# efficiency, overlap windows) does not resolve finer, so within it a fit with room to spare and no offload ranks
+# first (docs/plan.md, "Ranking").
+THROUGHPUT_TIE = 0.01
+
+
+def _tight(res: SearchResult) -> np.ndarray:
+    """Per feasible configuration: the headroom is inside the reserved-memory model's measured error (estimate's
+    `memory.tight`)."""
+    o = res.options
+    share = 0.0 if o.fragmentation is not None else RESERVED_SHORTFALL_FRACTION[o.allocator]
+    peak = res.feasible.peak
+    return (res.capacity - peak) < (peak * share).astype(np.int64)
+
+
 def ranked(res: SearchResult) -> np.ndarray:
-    """Indices into res.feasible, best first by the objective. Ties in throughput go first to no offload (its
-    CPU step runs at an assumed host rate, memcalc/cost/compute.py), then to the lower peak."""
+    """Indices into res.feasible, best first by the objective. Throughput: configurations within THROUGHPUT_TIE
+    (1%) of the fastest, then of each next 1% band, count as equal; within a band a configuration whose headroom is
+    inside the reserved-memory model's error (`tight`) goes after those with room, and offload (its CPU step runs
+    at an assumed host rate, memcalc/cost/compute.py) after no offload; then the highest tokens/s, the lowest
+    peak."""
     f, s = res.feasible, res.space
     if f.size == 0:
         return np.zeros(0, dtype=np.int64)
@@ -372,7 +390,13 @@ def ranked(res: SearchResult) -> np.ndarray:
     elif res.request.objective == "gpus":
         keys = (tie, f.peak, off, -f.tps, gpus)
     else:
-        keys = (tie, gpus, f.peak, off, -f.tps)
+        best = float(f.tps.max())
+        if best > 0:
+            ratio = best / np.maximum(f.tps, best * 1e-12)
+            band = np.floor(np.log(ratio) / np.log1p(THROUGHPUT_TIE)).astype(np.int64)
+        else:  # no time model for this hardware: throughput cannot rank
+            band = np.zeros(f.size, dtype=np.int64)
+        keys = (tie, gpus, f.peak, -f.tps, off, _tight(res), band)
     return np.lexsort(keys)
 
 
