@@ -55,13 +55,16 @@ EXPANDABLE_SEGMENTS_FRACTION = 0.02  # PYTORCH_CUDA_ALLOC_CONF=expandable_segmen
 RESERVED_SHORTFALL_FRACTION = {"default": 0.125, "expandable": 0.05}
 
 
+def reserved_error_share(allocator: str, fragmentation: float | None) -> float:
+    """RESERVED_SHORTFALL_FRACTION for the allocator; 0 where `--fragmentation` gives the fraction: a measured
+    figure of the user's own, to which the records' error does not apply."""
+    return 0.0 if fragmentation is not None else RESERVED_SHORTFALL_FRACTION[allocator]
+
+
 def reserved_error_bytes(run: Run, peak_bytes: int) -> int:
     """The largest under-estimate of reserved memory measured on the GPU records for this allocator, scaled to a
-    peak: RESERVED_SHORTFALL_FRACTION x peak_bytes. 0 where `--fragmentation` gives the fraction: a measured
-    figure of the user's own, to which the records' error does not apply."""
-    if run.training.fragmentation is not None:
-        return 0
-    return int(peak_bytes * RESERVED_SHORTFALL_FRACTION[run.training.allocator])
+    peak: share x peak_bytes (`reserved_error_share`). A headroom below it is `tight`."""
+    return int(peak_bytes * reserved_error_share(run.training.allocator, run.training.fragmentation))
 
 
 def default_fraction(run: Run) -> Any:

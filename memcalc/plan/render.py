@@ -54,9 +54,9 @@ def _config_table(title: str, rows: list[dict[str, Any]], units: str, ranked: bo
         cells = [str(i)] if ranked else []
         if show_gpus:
             cells.append(str(lay["gpus"]))
+        free = _b(f["headroom_bytes"], units) + ("*" if f.get("tight") else "")
         cells += [_layout(lay), _opts(lay), f"{lay['micro_batch']}x{lay['grad_accum']}", _b(f["peak_bytes"], units),
-                  _b(f["headroom_bytes"], units) + ("*" if f.get("tight") else ""), f"{f['step_seconds']:,.2f}", _k(f["tokens_per_second"]),
-                  f"{f['mfu']:.1%}"]
+                  free, f"{f['step_seconds']:,.2f}", _k(f["tokens_per_second"]), f"{f['mfu']:.1%}"]
         t.add_row(*cells)
     return t
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from memcalc.cost.estimate import runtime_bytes
-from memcalc.cost.fragmentation import RESERVED_SHORTFALL_FRACTION, fragmentation_bytes
+from memcalc.cost.fragmentation import fragmentation_bytes, reserved_error_share
 from memcalc.cost.timeline import stage_memory
 from memcalc.errors import InputError
 from memcalc.options import RunOptions, build_run
@@ -367,8 +367,7 @@ THROUGHPUT_TIE = 0.01
 def _tight(res: SearchResult) -> np.ndarray:
     """Per feasible configuration: the headroom is inside the reserved-memory model's measured error (estimate's
     `memory.tight`)."""
-    o = res.options
-    share = 0.0 if o.fragmentation is not None else RESERVED_SHORTFALL_FRACTION[o.allocator]
+    share = reserved_error_share(res.options.allocator, res.options.fragmentation)
     peak = res.feasible.peak
     return (res.capacity - peak) < (peak * share).astype(np.int64)
 
@@ -429,9 +428,8 @@ def layout_of(res: SearchResult, pair: int, combo: int) -> dict[str, Any]:
 
 def _figures(res: SearchResult, cols: Columns, i: int) -> dict[str, Any]:
     peak = int(cols.peak[i])
-    o = res.options
     # within the reserved-memory model's measured error (estimate's `memory.tight`; fragmentation.py)
-    share = 0.0 if o.fragmentation is not None else RESERVED_SHORTFALL_FRACTION[o.allocator]
+    share = reserved_error_share(res.options.allocator, res.options.fragmentation)
     return {
         "peak_bytes": peak, "headroom_bytes": res.capacity - peak, "step_seconds": float(cols.step[i]),
         "tokens_per_second": float(cols.tps[i]), "mfu": float(cols.mfu[i]),
