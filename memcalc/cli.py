@@ -42,8 +42,9 @@ def _opt(*names: str, help: str, panel: str, **kw: Any) -> Any:
 
 # name -> (annotation, default, typer.Option); the order is the order in --help.
 RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
-    "model": (Optional[str], None, _opt("--model", "-m", help="Preset name (see `memcalc presets`) or path to a "
-              "Hugging Face config.json or a preset-format TOML.", panel=_M)),
+    "model": (Optional[str], None, _opt("--model", "-m", help="Preset name (see `memcalc presets`); a Hugging "
+              "Face config.json, checkpoint directory or repository id already in the local hub cache (org/name); "
+              "or a preset-format TOML.", panel=_M)),
     "params": (Optional[str], None, _opt("--params", help="Parameter count (7B, 1.5e9, 124M). Alone: model states "
                "use exactly this count and a Llama-style reference shape of that size supplies dimensions.", panel=_M)),
     "layers": (Optional[int], None, _opt("--layers", help="Override the number of layers.", panel=_M)),

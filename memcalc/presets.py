@@ -248,7 +248,9 @@ def _hf_unmodelled(cfg: dict[str, Any], mt: str) -> list[str]:
     return out
 
 
-def load_model_file(path: Path) -> ModelSpec:
+def load_model_file(path: Path, name: str = "") -> ModelSpec:
+    """A config.json or preset-format TOML; `name` names a config.json without `_name_or_path` (a repository id or
+    a checkpoint directory's name)."""
     if not path.is_file():
         raise InputError(f"--model {str(path)!r} is neither a preset nor a readable file; see `memcalc presets`")
     text = path.read_text(encoding="utf-8", errors="replace")
@@ -266,14 +268,58 @@ def load_model_file(path: Path) -> ModelSpec:
         raise InputError(f"--model {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}); expected a config.json") from None
     if not isinstance(cfg, dict):
         raise InputError(f"--model {str(path)!r} holds a JSON {type(cfg).__name__}, not a config object")
+    if name and not cfg.get("_name_or_path"):
+        cfg = {**cfg, "_name_or_path": name}
     return model_from_hf_config(cfg, str(path))
 
 
+def hf_cache_dir() -> Path:
+    """Where huggingface_hub keeps downloaded repositories: $HF_HUB_CACHE, else $HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub (huggingface_hub constants.py)."""
+    import os
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    base = Path(os.environ["XDG_CACHE_HOME"]) if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+def _cached_hf_config(repo: str) -> Path | None:
+    """A Hugging Face repository id's config.json in the local hub cache (models--org--name/snapshots/<rev>/), the
+    revision refs/main names first, else the newest snapshot holding one; None when it was never downloaded."""
+    root = hf_cache_dir() / ("models--" + repo.replace("/", "--"))
+    snaps = root / "snapshots"
+    main = root / "refs" / "main"
+    if main.is_file():
+        cfg = snaps / main.read_text(encoding="utf-8").strip() / "config.json"
+        if cfg.is_file():
+            return cfg
+    found = sorted(snaps.glob("*/config.json"), key=lambda p: p.stat().st_mtime) if snaps.is_dir() else []
+    return found[-1] if found else None
+
+
 def load_model(ref: str) -> ModelSpec:
-    """A preset name, or a path to a config.json / preset-format TOML."""
+    """A preset name; a path to a config.json, a preset-format TOML or a checkpoint directory holding a config.json;
+    or a Hugging Face repository id (org/name) already in the local hub cache (no download)."""
+    path = Path(ref)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return load_model_file(path / "config.json", path.resolve().name)
+        raise InputError(f"--model {ref!r} is a directory without a config.json; give a checkpoint directory, a "
+                         "config.json or a preset (`memcalc presets`)")
+    repo_like = ref.count("/") == 1 and not ref.startswith((".", "/", "~")) and not ref.endswith((".json", ".toml"))
+    if repo_like and not path.exists():
+        cached = _cached_hf_config(ref)
+        if cached is not None:
+            return load_model_file(cached, ref)
+        raise InputError(f"--model {ref!r} is not a preset, a file, or a repository in the Hugging Face cache "
+                         f"({hf_cache_dir()}); fetch its config (`huggingface-cli download {ref} config.json`) or "
+                         "pass the path of its config.json")
     looks_like_path = ref.endswith((".json", ".toml")) or "/" in ref or "\\" in ref
     if looks_like_path:
-        return load_model_file(Path(ref))
+        return load_model_file(path)
     return load_model_preset(ref)
 
 

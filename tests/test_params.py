@@ -354,3 +354,36 @@ def test_hf_multimodal_config_reads_its_text_config():
     # without text_config, no hidden size is still a clear error
     with pytest.raises(InputError, match="has no hidden_size"):
         model_from_hf_config({"model_type": "gemma3", "vision_config": {}}, "config.json")
+
+
+def test_model_from_a_checkpoint_directory_or_the_hub_cache(tmp_path, monkeypatch):
+    """`--model DIR` reads DIR/config.json; `--model org/name` reads the config.json that huggingface_hub cached
+    (HF_HUB_CACHE/models--org--name/snapshots/<refs/main>/), named after the repository; nothing is downloaded, and
+    a repository not in the cache is one line saying how to fetch its config."""
+    import json as _json
+
+    from tests.conftest import cli
+
+    cfg = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "intermediate_size": 11008, "vocab_size": 32000, "tie_word_embeddings": False}
+    ckpt = tmp_path / "my-7b"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(_json.dumps(cfg))
+    spec = load_model(str(ckpt))
+    assert spec.name == "my-7b" and total_params(spec) == total_params(load_model("llama-2-7b"))
+    repo = tmp_path / "hub" / "models--meta-llama--Llama-2-7b-hf"
+    (repo / "snapshots" / "old").mkdir(parents=True)
+    (repo / "snapshots" / "old" / "config.json").write_text(_json.dumps(dict(cfg, num_hidden_layers=2)))
+    (repo / "snapshots" / "c0ffee").mkdir()
+    (repo / "snapshots" / "c0ffee" / "config.json").write_text(_json.dumps(cfg))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee\n")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    spec = load_model("meta-llama/Llama-2-7b-hf")
+    assert spec.name == "llama-2-7b-hf" and spec.layers == 32  # the revision refs/main names
+    code, _, err = cli("estimate", "--model", "Qwen/Qwen2.5-7B")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "not a preset, a file, or a repository in the Hugging Face cache" in err
+    assert "huggingface-cli download Qwen/Qwen2.5-7B config.json" in err
+    code, _, err = cli("estimate", "--model", str(tmp_path))
+    assert code == 2 and "is a directory without a config.json" in err
