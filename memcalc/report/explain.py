@@ -80,6 +80,13 @@ def render_explain(est: Estimate, run: Run, con: Console, units: str) -> None:
                "batches of varying length strand more: memcalc validate --seq-lengths)")
     _line(con, f"peak = allocated {format_bytes(mem.allocated_peak_bytes, units)} + fragmentation "
                f"{format_bytes(frag, units)} + runtime {format_bytes(rt, units)} = {format_bytes(mem.peak_bytes, units)}")
+    if mem.reserved_error_bytes:
+        share = mem.reserved_error_bytes / max(1, mem.peak_bytes)
+        verdict = "tight" if mem.tight else ("room to spare" if mem.fits else "does not fit")
+        _line(con, f"reserved-memory error = {share:.1%} x worst peak (the most max_memory_reserved exceeded "
+                   "memcalc's reserved figure on the GPU records, this allocator) = "
+                   f"{format_bytes(mem.reserved_error_bytes, units)}; headroom "
+                   f"{format_bytes(mem.headroom_bytes, units)}: {verdict}")
     if est.communication.modelled and est.communication.collectives:
         con.print(Text("Collectives (ring volumes: all-reduce 2(n-1)/n*S, reduce-scatter/all-gather (n-1)/n*S)",
                        style="bold"))
