@@ -200,6 +200,9 @@ def test_a_fit_inside_the_models_measured_error_is_called_tight():
     assert code == 0 and "Tight: the headroom is within the reserved-memory model's error" in " ".join(out.split())
     code, out, _ = cli(*base, "--format", "markdown")
     assert "Tight:" in out
+    code, out, _ = cli(*base, "--explain")
+    flat = " ".join(out.split())
+    assert "reserved-memory error = 12.5% x worst peak" in flat and "headroom 0.51 GiB: tight" in flat
     e = cli_json(*base, "--allocator", "expandable")["memory"]
     assert e["fits"] and not e["tight"]
     assert e["reserved_error_bytes"] == int(e["peak_bytes"] * 0.05) < e["headroom_bytes"]
