@@ -180,6 +180,8 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
         "qkv_bias": bool(gpt2 or neox or phi or mt in ("qwen2", "qwen2_moe") or get("attention_bias", default=False)),
         "linear_bias": bool(gpt2 or neox or phi or gptj or get("mlp_bias", default=False)),
         "head_bias": bool(gptj or phi),
+        # Gemma 2/3 (modeling_gemma2.py Gemma2DecoderLayer): post_attention_layernorm and post_feedforward_layernorm
+        "post_norms": mt in ("gemma2", "gemma3", "gemma3_text"),
         "block": block,
         "tied_embeddings": bool(get("tie_word_embeddings", default=gpt2 or mt in _GEMMA)),
         "positions": "learned" if gpt2 else "rotary",
@@ -228,10 +230,6 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
 def _hf_unmodelled(cfg: dict[str, Any], mt: str) -> list[str]:
     """What a config.json describes that ModelSpec does not carry, each with its effect on memory."""
     out = []
-    if mt in ("gemma2", "gemma3", "gemma3_text"):
-        # modeling_gemma2.py Gemma2DecoderLayer: input, post_attention, pre_feedforward and post_feedforward norms
-        out.append("its layers have four RMSNorms, memcalc's two: the post-attention and post-feedforward norms' "
-                   "weights (2 x hidden_size per layer) and the inputs they save are not counted")
     if mt in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"):
         out.append("q_norm and k_norm (an RMSNorm over each head of q and k): their weights (2 x head_dim per "
                    "layer) and the q and k copies they save are not counted")

@@ -94,6 +94,9 @@ class ModelSpec(_Frozen):
     # sequential: x + attn(norm1(x)), then + mlp(norm2(.)); parallel: x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX
     # use_parallel_residual, Falcon-40B); parallel-shared-norm: both read one norm1(x) (GPT-J, phi-1.5, Falcon-7B)
     block: Literal["sequential", "parallel", "parallel-shared-norm"] = "sequential"
+    # a norm on the attention output and one on the MLP output before their residual adds (Gemma 2/3's
+    # post_attention_layernorm and post_feedforward_layernorm; modeling_gemma2.py Gemma2DecoderLayer): four per layer
+    post_norms: bool = False
     positions: Literal["rotary", "learned"] = "rotary"
     max_positions: int = Field(default=0, ge=0)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -137,6 +140,8 @@ class ModelSpec(_Frozen):
         if self.head_bias and self.tied_embeddings:
             raise ValueError("--head-bias with --tied-embeddings is not modelled (a tied LM head has no bias of its "
                              "own); valid: --untied-embeddings or --no-head-bias")
+        if self.post_norms and self.block != "sequential":
+            raise ValueError(f"post_norms (Gemma 2/3) are modelled for the sequential layer, not block {self.block!r}")
         if self.block != "sequential" and (self.moe is not None or self.mla is not None):
             raise ValueError(f"block {self.block!r} is modelled for dense attention and MLP layers; a mixture of "
                              "experts or latent attention needs block 'sequential'")

@@ -4,8 +4,8 @@
 For every file in presets/models/ and presets/gpus/: parse it with tomllib, check the required keys, their
 types and allowed values, that no unknown key is present, that `name` matches the file name and that names and
 aliases are unique. For models, compute the exact parameter count from the shape (param_count() below: embedding,
-learned positions, per-layer attention (or MLA) / MLP or MoE (dense first layers) / one or two norms, final norm,
-untied LM head and its bias) and compare it with
+learned positions, per-layer attention (or MLA) / MLP or MoE (dense first layers) / one, two or four norms
+(post_norms), final norm, untied LM head and its bias) and compare it with
 `expected_params` where a file has one. Prints a table per kind; exits 1 on any problem.
 
 Usage: python scripts/check_presets.py [PRESETS_DIR]
@@ -44,6 +44,7 @@ MODEL_OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "expected_params": int,
     "params_source": str,
     "head_bias": bool,
+    "post_norms": bool,
     "block": str,
     "moe": dict,
     "mla": dict,
@@ -143,7 +144,7 @@ def param_count(m: dict) -> int:
         return (3 if swiglu else 2) * h * width + ((width * (2 if swiglu else 1) + h) if m["linear_bias"] else 0)
 
     moe = m.get("moe")
-    n_norms = 1 if m.get("block") == "parallel-shared-norm" else 2
+    n_norms = 1 if m.get("block") == "parallel-shared-norm" else (4 if m.get("post_norms") else 2)
     layer = attn + n_norms * norm
     if moe:
         routed = h * moe["experts"] + (moe["experts"] + moe["shared_experts"]) * dense_mlp(moe["expert_ffn"])

@@ -276,14 +276,13 @@ def test_preset_checker_agrees_with_the_library():
         assert mod.param_count(data) == total_params(load_model(name)), name
 
 
-def test_hf_config_gemma2_gated_gelu_tied_and_its_unmodelled_parts_named():
+def test_hf_config_gemma2_gated_gelu_tied_post_norms_and_its_unmodelled_parts_named():
     """Gemma 2 9B's config.json (the fields of google/gemma-2-9b; transformers' Gemma2Config): a gated GELU MLP
     (gate_proj, up_proj, down_proj: three matrices, as SwiGLU), the head tied to the embedding by the config class's
-    default (a saved config.json leaves tie_word_embeddings out), head_dim 256 != 3584 / 16.
-    Per layer: q 3584 x 16*256 + k, v 2 x 3584 x 8*256 + o 16*256 x 3584 = 44,040,192; MLP 3 x 3584 x 14336 =
-    154,140,672; two norms 2 x 3584 = 7,168 -> 198,188,032. x 42 = 8,323,897,344, + embedding 256000 x 3584 =
-    917,504,000 + final norm 3584 = 9,241,404,928. Gemma 2 9B has 9,241,705,984 (HF): the 2 x 3584 x 42 = 301,056
-    weights of the two norms memcalc does not carry, which the notes say."""
+    default (a saved config.json leaves tie_word_embeddings out), head_dim 256 != 3584 / 16, and four RMSNorms per
+    layer (post_norms). Per layer: q 3584 x 16*256 + k, v 2 x 3584 x 8*256 + o 16*256 x 3584 = 44,040,192; MLP
+    3 x 3584 x 14336 = 154,140,672; four norms 4 x 3584 = 14,336 -> 198,195,200. x 42 = 8,324,198,400, + embedding
+    256000 x 3584 = 917,504,000 + final norm 3584 = 9,241,705,984: Gemma 2 9B's published count."""
     from memcalc.presets import model_from_hf_config
 
     cfg = {"model_type": "gemma2", "hidden_size": 3584, "num_hidden_layers": 42, "num_attention_heads": 16,
@@ -292,12 +291,12 @@ def test_hf_config_gemma2_gated_gelu_tied_and_its_unmodelled_parts_named():
            "max_position_embeddings": 8192, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
            "sliding_window": 4096, "query_pre_attn_scalar": 256}
     spec = model_from_hf_config(cfg, "config.json")
-    assert (spec.mlp, spec.tied_embeddings, spec.head_dim) == ("swiglu", True, 256)
-    layer = 3584 * 16 * 256 + 2 * 3584 * 8 * 256 + 16 * 256 * 3584 + 3 * 3584 * 14336 + 2 * 3584
-    assert layer == 198_188_032
-    assert total_params(spec) == 42 * layer + 256000 * 3584 + 3584 == 9_241_404_928 == 9_241_705_984 - 301_056
+    assert (spec.mlp, spec.tied_embeddings, spec.head_dim, spec.post_norms) == ("swiglu", True, 256, True)
+    layer = 3584 * 16 * 256 + 2 * 3584 * 8 * 256 + 16 * 256 * 3584 + 3 * 3584 * 14336 + 4 * 3584
+    assert layer == 198_195_200
+    assert total_params(spec) == 42 * layer + 256000 * 3584 + 3584 == 9_241_705_984
     notes = " ".join(spec.notes)
-    assert "four RMSNorms" in notes and "final_logit_softcapping" in notes and "attn_logit_softcapping" in notes
+    assert "final_logit_softcapping" in notes and "attn_logit_softcapping" in notes and "RMSNorms" not in notes
     # an explicit key wins over the class default
     assert model_from_hf_config(dict(cfg, tie_word_embeddings=False), "x").tied_embeddings is False
 

@@ -80,6 +80,20 @@ def _norm_saved(run: Run, c: int, tok_sp: Num, stats: Num) -> tuple[Num, Num | N
     return stream * tok_sp * h + stats, None
 
 
+def _post_norm_saved(run: Run, c: int, tok_sp: Num, stats: Num) -> Num:
+    """Bytes a post norm (`ModelSpec.post_norms`: Gemma 2/3's norm on the attention output and on the MLP output,
+    before the residual add) saves for backward. Its input is a linear's output, in the compute dtype. Fused (an
+    aten norm kernel): under autocast CUDA runs rms_norm and layer_norm in fp32 (aten/src/ATen/autocast_mode.cpp
+    registers AutocastCUDA for them), so it saves an fp32 cast of that input, else the input itself; plus the fp32
+    statistics. Eager fp32 RMSNorm (`--norm-impl fp32`): the fp32 copy and rstd, and the normalized tensor cast
+    back to the input's (compute) dtype when the weight trains."""
+    h = run.model.hidden
+    if run.training.norm_impl == "fp32" and run.model.norm == "rmsnorm":
+        normalized = c * tok_sp * h if run.training.lora_rank is None else 0
+        return 4 * tok_sp * h + stats + normalized
+    return _stream_bytes(run, c) * tok_sp * h + stats
+
+
 def _shape(run: Run) -> tuple[int, Num, Num, Num]:
     """(compute-dtype bytes, tok, tok_sp, tok_in): tokens of one micro-batch on this rank, in the SP region, and
     saved as the input of the column-parallel linears (QKV, MLP in, LM head)."""
@@ -448,6 +462,8 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         out["attn_output_copy"] = c * tok * heads * d_v
     if dropout:
         out["attn_residual_dropout_mask"] = tok_sp * h  # 1 byte per element (Korthikanti: sbh)
+    if m.post_norms:
+        out["attn_post_norm"] = _post_norm_saved(run, c, tok_sp, stats)
     out["residual_adds"] = 0  # an add saves nothing; the residual stream is kept by the next norm's saved input
     if m.block == "sequential":
         out["mlp_norm"] = norm
@@ -471,6 +487,8 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         _megatron_moe_terms(run, out)
     if dropout:
         out["mlp_residual_dropout_mask"] = tok_sp * h
+    if m.post_norms:
+        out["mlp_post_norm"] = _post_norm_saved(run, c, tok_sp, stats)
     if run.training.lora_rank is not None:
         _lora_terms(run, out, c, tok, tok_in, eager)
     if m.block == "parallel-shared-norm" and "mlp_input" in out:
@@ -598,6 +616,10 @@ def first_stage_terms(run: Run) -> dict[str, Num]:
         # the layer require grad. Measured by the harness (docs/validation.md, LoRA rows).
         terms = layer_terms(run)
         frozen = terms["attn_norm"] + terms.get("lora_dropout_qkv_mask", 0)
+        if not any(p in lora_projections(t.lora_targets) for p in ("q", "k", "v", "o")):
+            # no attention adapter: the first layer's attention output needs no gradient, so its post norm
+            # (Gemma 2/3) saves nothing either
+            frozen = frozen + terms.get("attn_post_norm", 0)
         if run.model.block != "sequential" and not (_mlp_in_adapted(run) or _down_adapted(run)):
             # a parallel block's MLP reads the layer input through a frozen norm, not the attention's output: with
             # no adapter of its own nothing in that branch requires grad, and it saves nothing (lit-gpt's phi and
@@ -1499,6 +1521,9 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
     # `_saved_cast_terms`)
     down_cast = (terms or {}).get("amp_weight_casts_down", 0)
     mlp = imax(factors * c * tokens * f_t - down_cast, grad_in + dq + adapter + _sp_gathered_grad(run))
+    if m.post_norms:
+        # the MLP output's norm (Gemma 2/3) runs its backward first and frees what it saved (`mlp_post_norm`)
+        mlp = mlp - (layer_terms(run) if terms is None else terms).get("mlp_post_norm", 0)
     if run.profile == "megatron":
         return stream + mlp
     return stream + imax(mlp - stream_in_buffer, attention_backward(run, terms))

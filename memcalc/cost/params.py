@@ -35,8 +35,11 @@ def norm_params(m: ModelSpec) -> int:
 
 def layer_norms(m: ModelSpec) -> int:
     """Norms per layer: two, or one where attention and MLP read the same norm (`block` parallel-shared-norm:
-    GPT-J, phi-1.5, Falcon-7B; Hugging Face modeling_gptj.py / modeling_phi.py build one LayerNorm per layer)."""
-    return 1 if m.block == "parallel-shared-norm" else 2
+    GPT-J, phi-1.5, Falcon-7B; Hugging Face modeling_gptj.py / modeling_phi.py build one LayerNorm per layer), or
+    four with `post_norms` (Gemma 2/3: a norm on the attention output and one on the MLP output as well)."""
+    if m.block == "parallel-shared-norm":
+        return 1
+    return 4 if m.post_norms else 2
 
 
 def attention_params(m: ModelSpec, tp: Num = 1) -> Num:
@@ -706,10 +709,11 @@ def grad_ready_elems(run: Run, stage: int) -> tuple[int, ...]:
     if t.qkv_impl == "fused":  # one QKV matrix (lit-gpt)
         q_kv = [(sum(rows * count for rows, _, count in q_kv), h, 1)]
     gate_up, down = mlp_matrix_shapes(m, m.ffn, tp)
-    layer = norm + linears(q_kv, m.qkv_bias) + linears(o, m.linear_bias)
+    post = norm if m.post_norms else []  # Gemma 2/3: the attention output's norm, then the MLP output's
+    layer = norm + linears(q_kv, m.qkv_bias) + linears(o, m.linear_bias) + post
     if m.block != "parallel-shared-norm":
         layer += norm
-    layer += linears([gate_up], m.linear_bias) + linears([down], m.linear_bias)
+    layer += linears([gate_up], m.linear_bias) + linears([down], m.linear_bias) + post
     fwd: list[int] = []
     if stage == 0:
         fwd += [rows_v * h] + ([m.max_positions * h] if m.positions == "learned" else [])

@@ -76,13 +76,19 @@ class RMSNorm(nn.RMSNorm):
     `_FusedRMSNorm`); the cost model counts the input and the fp32 rstd (memcalc/cost/activations.py
     `_fp32_norm_stats`)."""
 
-    def __init__(self, *a: Any, **kw: Any) -> None:
+    def __init__(self, *a: Any, autocast_fp32: bool = False, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.untracked: Any = contextlib.nullcontext  # the harness sets its tracker's pause
+        # CUDA's autocast runs rms_norm in fp32 (AutocastCUDA is registered for aten::rms_norm), casting a
+        # lower-precision input first; the CPU stand-in does the same where the input can be narrower than fp32
+        # (the post norms, which read a linear's output; the other norms read the fp32 residual stream)
+        self.autocast_fp32 = autocast_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:  # the real kernel: its allocations are what max_memory_allocated sees
             return super().forward(x)
+        if self.autocast_fp32 and x.dtype != torch.float32 and torch.is_autocast_enabled(x.device.type):
+            x = x.float()
         return _FusedRMSNorm.apply(x, self.weight, self.eps, self.untracked)
 
 
@@ -102,9 +108,9 @@ class EagerRMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def _norm(m: ModelSpec, impl: str = "fused") -> nn.Module:
+def _norm(m: ModelSpec, impl: str = "fused", autocast_fp32: bool = False) -> nn.Module:
     if m.norm == "rmsnorm":
-        return EagerRMSNorm(m.hidden) if impl == "fp32" else RMSNorm(m.hidden, eps=1e-6)
+        return EagerRMSNorm(m.hidden) if impl == "fp32" else RMSNorm(m.hidden, eps=1e-6, autocast_fp32=autocast_fp32)
     return nn.LayerNorm(m.hidden, eps=1e-5)
 
 
@@ -465,16 +471,22 @@ class Block(nn.Module):
             self.attn: nn.Module = LatentAttention(m, dropout, selective, norm_impl)
         else:
             self.attn = Attention(m, kernel, dropout, selective, qkv_impl, gqa_impl)
+        # Gemma 2/3 (modeling_gemma2.py Gemma2DecoderLayer): x + post_attention_norm(attn(norm1 x)), then
+        # + post_feedforward_norm(mlp(norm2 .)); registered in the order the forward uses them
+        self.post_attn = _norm(m, norm_impl, autocast_fp32=True) if m.post_norms else None
         self.block = m.block
         self.norm2 = _norm(m, norm_impl) if m.block != "parallel-shared-norm" else None
         # an MoE model's first layers may keep a dense MLP of m.ffn (DeepSeek's first_k_dense_replace)
         self.mlp = MLP(m, dropout) if m.moe is None or dense else MoE(m, dropout)
+        self.post_mlp = _norm(m, norm_impl, autocast_fp32=True) if m.post_norms else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         if self.block == "sequential":
-            x = x + self.attn(self.norm1(x), rope)
+            a = self.attn(self.norm1(x), rope)
+            x = x + (a if self.post_attn is None else self.post_attn(a))
             assert self.norm2 is not None
-            return x + self.mlp(self.norm2(x))
+            y = self.mlp(self.norm2(x))
+            return x + (y if self.post_mlp is None else self.post_mlp(y))
         # parallel residual, in GPT-NeoX's / lit-gpt's order: mlp(n2) + attn(n1) + x
         n1 = self.norm1(x)
         h = self.attn(n1, rope)

@@ -190,6 +190,9 @@ def apply_tp(model: GPT, tp_mesh: Any, sp: bool, loss_parallel: bool) -> None:
             plan["norm1"] = SequenceParallel()
             if b.norm2 is not None:  # a parallel block's shared norm has none (model.Block)
                 plan["norm2"] = SequenceParallel()
+            if b.post_attn is not None:  # Gemma 2/3: the sequence-sharded outputs' norms, back to the local stream
+                plan["post_attn"] = SequenceParallel(use_local_output=True)
+                plan["post_mlp"] = SequenceParallel(use_local_output=True)
             # (x, rope): the rotary cos/sin are plain tensors shared by all layers (memcalc/validate/model.py)
             plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
             plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
