@@ -67,6 +67,8 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                   panel=_M, show_default=False)),
     "post_norms": (Optional[bool], None, _opt("--post-norms/--no-post-norms", help="Norms on the attention and MLP "
                    "outputs before the residual adds, four per layer (Gemma 2/3).", panel=_M, show_default=False)),
+    "qk_norm": (Optional[bool], None, _opt("--qk-norm/--no-qk-norm", help="An RMSNorm over each head of q and of k "
+                "before rotary (Qwen3, Gemma 3).", panel=_M, show_default=False)),
     "block": (Optional[str], None, _opt("--block", help="Layer: sequential (attention, then MLP) | parallel (x + "
               "attn(norm1 x) + mlp(norm2 x): GPT-NeoX) | parallel-shared-norm (one norm for both: GPT-J, phi).",
               panel=_M)),

@@ -182,6 +182,8 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
         "head_bias": bool(gptj or phi),
         # Gemma 2/3 (modeling_gemma2.py Gemma2DecoderLayer): post_attention_layernorm and post_feedforward_layernorm
         "post_norms": mt in ("gemma2", "gemma3", "gemma3_text"),
+        # Qwen3 and Gemma 3 (modeling_qwen3.py Qwen3Attention): an RMSNorm over each head of q and k
+        "qk_norm": mt in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
         "block": block,
         "tied_embeddings": bool(get("tie_word_embeddings", default=gpt2 or mt in _GEMMA)),
         "positions": "learned" if gpt2 else "rotary",
@@ -230,9 +232,9 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
 def _hf_unmodelled(cfg: dict[str, Any], mt: str) -> list[str]:
     """What a config.json describes that ModelSpec does not carry, each with its effect on memory."""
     out = []
-    if mt in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"):
-        out.append("q_norm and k_norm (an RMSNorm over each head of q and k): their weights (2 x head_dim per "
-                   "layer) and the q and k copies they save are not counted")
+    if mt == "olmo2":
+        out.append("q_norm and k_norm over the whole q and k projections (OLMo 2): their weights and saved inputs "
+                   "are not counted")
     if cfg.get("final_logit_softcapping"):
         # Gemma2ForCausalLM.forward: logits / cap -> tanh -> * cap before the loss; tanh saves its output
         out.append("final_logit_softcapping: the tanh over the logits saves one more logit-sized tensor (compute "

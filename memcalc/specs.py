@@ -97,6 +97,9 @@ class ModelSpec(_Frozen):
     # a norm on the attention output and one on the MLP output before their residual adds (Gemma 2/3's
     # post_attention_layernorm and post_feedforward_layernorm; modeling_gemma2.py Gemma2DecoderLayer): four per layer
     post_norms: bool = False
+    # an RMSNorm over each head of q and of k (weight head_dim each) before rotary (Qwen3, Gemma 3:
+    # modeling_qwen3.py Qwen3Attention q_norm / k_norm)
+    qk_norm: bool = False
     positions: Literal["rotary", "learned"] = "rotary"
     max_positions: int = Field(default=0, ge=0)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -140,6 +143,8 @@ class ModelSpec(_Frozen):
         if self.head_bias and self.tied_embeddings:
             raise ValueError("--head-bias with --tied-embeddings is not modelled (a tied LM head has no bias of its "
                              "own); valid: --untied-embeddings or --no-head-bias")
+        if self.qk_norm and self.mla is not None:
+            raise ValueError("qk_norm (Qwen3, Gemma 3) is modelled for standard attention, not MLA")
         if self.post_norms and self.block != "sequential":
             raise ValueError(f"post_norms (Gemma 2/3) are modelled for the sequential layer, not block {self.block!r}")
         if self.block != "sequential" and (self.moe is not None or self.mla is not None):

@@ -45,6 +45,7 @@ MODEL_OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "params_source": str,
     "head_bias": bool,
     "post_norms": bool,
+    "qk_norm": bool,
     "block": str,
     "moe": dict,
     "mla": dict,
@@ -135,6 +136,8 @@ def param_count(m: dict) -> int:
     else:
         g, d = m["kv_heads"], m["head_dim"]
         attn = h * a * d + 2 * h * g * d + a * d * h  # q, k, v, o
+        if m.get("qk_norm"):  # an RMSNorm (LayerNorm: + bias) over each head of q and of k
+            attn += 2 * d * (1 if m["norm"] == "rmsnorm" else 2)
         if m["qkv_bias"]:
             attn += a * d + 2 * g * d
         if m["linear_bias"]:

@@ -329,8 +329,11 @@ def test_hf_config_notes_name_what_is_not_modelled_and_presets_have_none():
              "intermediate_size": 11008, "vocab_size": 32000, "tie_word_embeddings": False}
     assert model_from_hf_config(llama, "x").notes == ()
     assert load_model("llama-2-7b").notes == ()
-    qwen3 = dict(llama, model_type="qwen3", head_dim=128)
-    assert any("q_norm and k_norm" in n for n in model_from_hf_config(qwen3, "x").notes)
+    # Qwen3's per-head q/k norms are modelled (`qk_norm`); OLMo 2's whole-width ones are named
+    qwen3 = model_from_hf_config(dict(llama, model_type="qwen3", head_dim=128), "x")
+    assert qwen3.qk_norm and qwen3.notes == ()
+    assert any("q_norm and k_norm over the whole" in n for n in model_from_hf_config(dict(llama, model_type="olmo2"),
+                                                                                     "x").notes)
     other = model_from_hf_config(dict(llama, model_type="falcon_mamba"), "x")
     assert any("model_type 'falcon_mamba'" in n for n in other.notes)
 

@@ -94,6 +94,20 @@ def _post_norm_saved(run: Run, c: int, tok_sp: Num, stats: Num) -> Num:
     return _stream_bytes(run, c) * tok_sp * h + stats
 
 
+def _qk_norm_saved(run: Run, c: int, tok: Num, rows_per_token: Num, d: int) -> Num:
+    """Bytes the q and k norms (`ModelSpec.qk_norm`: Qwen3, Gemma 3) save: each normalizes every head vector of
+    the projection's output (compute dtype) over head_dim, so rstd is per head and token. Fused: the input, as an
+    fp32 cast under torch AMP (CUDA's autocast runs rms_norm in fp32), and rstd. Eager fp32 RMSNorm
+    (`--norm-impl fp32`, HF Qwen3RMSNorm): the fp32 copy, rstd and, when the weight trains, the normalized tensor
+    in the compute dtype. What follows (rotary, then SDPA's saved q and k, cast to the compute dtype under
+    autocast) is as without them."""
+    elems = tok * rows_per_token * d
+    stats = 4 * tok * rows_per_token
+    if run.training.norm_impl == "fp32" and run.model.norm == "rmsnorm":
+        return 4 * elems + stats + (c * elems if run.training.lora_rank is None else 0)
+    return _stream_bytes(run, c) * elems + stats
+
+
 def _shape(run: Run) -> tuple[int, Num, Num, Num]:
     """(compute-dtype bytes, tok, tok_sp, tok_in): tokens of one micro-batch on this rank, in the SP region, and
     saved as the input of the column-parallel linears (QKV, MLP in, LM head)."""
@@ -424,6 +438,13 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     else:
         # a selectively recomputed eager core saves its inputs, K and V before their repetition
         _qkv_terms(run, out, fused_qkv, gqa, eager and recompute != "selective")
+    if m.qk_norm:
+        out["qk_norm"] = _qk_norm_saved(run, c, tok, heads + m.kv_heads // t, d)
+        if recompute == "selective":
+            # the checkpointed core's saved inputs are q and k as the norms return them, through rotary: fp32
+            # under autocast (the core's own matmuls or SDPA cast them inside); measured by the harness
+            for x in ("q", "k"):
+                out[x] = out[x] + _autocast(run) * out[x] * (4 - c) // c
     d_v = m.mla.v_head_dim if m.mla is not None else d
     # Rotary: q*cos + rotate_half(q)*sin saves only cos/sin (per micro-batch, shared by all layers; counted once
     # per stage in `stage_terms`), not the pre-rotary q/k: nothing per layer.
@@ -1193,7 +1214,7 @@ def _offloaded_layer_at(parts: tuple[Num, ...], k: Num) -> Num:
 
 # terms saved in forward up to and including the attention core; the rest of a layer (output projection, MLP,
 # their norms and masks) is saved after it, so its backward runs (and frees them) before the core's
-_UP_TO_CORE = ("attn_norm", "attn_norm_normalized", "qkv_input", "amp_weight_casts_qkv", "mla_q_latent",
+_UP_TO_CORE = ("attn_norm", "attn_norm_normalized", "qkv_input", "amp_weight_casts_qkv", "qk_norm", "mla_q_latent",
                "mla_kv_latent", "q", "k", "v", "qkv_fused_buffer", "attn_softmax", "attn_probs",
                "attn_dropout_mask", "attn_dropout_output", "attn_lse", "lora_attn_low_rank", "lora_dropout_qkv",
                "lora_dropout_qkv_mask", "lora_qkv_zero_pad")

@@ -42,8 +42,13 @@ def layer_norms(m: ModelSpec) -> int:
     return 4 if m.post_norms else 2
 
 
+def qk_norm_params(m: ModelSpec) -> int:
+    """The q and k norms' weights (`ModelSpec.qk_norm`: one norm of head_dim each, shared by the heads)."""
+    return 2 * m.head_dim * (2 if m.norm == "layernorm" else 1) if m.qk_norm else 0
+
+
 def attention_params(m: ModelSpec, tp: Num = 1) -> Num:
-    """Q, K, V, O weights (and biases) on one TP rank."""
+    """Q, K, V, O weights (and biases) on one TP rank, and the q/k norms (replicated)."""
     if m.mla is not None:
         return _mla_params(m, tp)
     h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
@@ -52,7 +57,7 @@ def attention_params(m: ModelSpec, tp: Num = 1) -> Num:
         col += a * d + 2 * g * d
     row = a * d * h  # o: split by tp
     rep = h if m.linear_bias else 0  # o bias: replicated
-    return (col + row) // tp + rep
+    return (col + row) // tp + rep + qk_norm_params(m)
 
 
 def _mla_params(m: ModelSpec, tp: Num = 1) -> Num:
@@ -544,7 +549,7 @@ def matmul_weight_elems(run: Run, stage: Num) -> Num:
     if m.tied_embeddings:  # the word matrix, the head's (a tied head has no bias: ModelSpec._check)
         emb = emb - where(stage == run.pp - 1, scaled(run, head_params(m, run.profile, run.tp)), 0)
     n_norms = layer_norms(m) * stage_layers(run, stage) + where(stage == run.pp - 1, 1, 0)
-    norms = scaled(run, norm_params(m) * n_norms)
+    norms = scaled(run, norm_params(m) * n_norms + qk_norm_params(m) * stage_layers(run, stage))
     dense, expert = stage_params(run, stage)
     return dense + expert - where(stage == 0, emb, 0) - norms
 
@@ -631,6 +636,8 @@ def _dense_layer_tensor_shapes(m: ModelSpec, tp: Num) -> list[tuple[Num, Num, Nu
     nrm = 2 if m.norm == "layernorm" else 1
     per_layer: list[tuple[Num, Num, Num]] = [*attention_matrix_shapes(m, tp), *mlp_matrix_shapes(m, m.ffn, tp)]
     per_layer.append((h, 1, layer_norms(m) * nrm))  # two norms, or one (weight, + bias for LayerNorm)
+    if m.qk_norm:
+        per_layer.append((d, 1, 2 * nrm))  # the q and k norms (replicated over TP)
     if m.mla is not None:
         per_layer.append((m.mla.kv_lora_rank, 1, 1))  # the latents' RMSNorms
         if m.mla.q_lora_rank:
@@ -710,7 +717,16 @@ def grad_ready_elems(run: Run, stage: int) -> tuple[int, ...]:
         q_kv = [(sum(rows * count for rows, _, count in q_kv), h, 1)]
     gate_up, down = mlp_matrix_shapes(m, m.ffn, tp)
     post = norm if m.post_norms else []  # Gemma 2/3: the attention output's norm, then the MLP output's
-    layer = norm + linears(q_kv, m.qkv_bias) + linears(o, m.linear_bias) + post
+    qkv = linears(q_kv, m.qkv_bias)
+    if m.qk_norm:  # Qwen3: q, its norm, k, its norm, v (a fused QKV matrix: both norms after it)
+        qn = [m.head_dim] * (2 if m.norm == "layernorm" else 1)
+        if t.qkv_impl == "fused":
+            qkv = qkv + qn + qn
+        else:
+            (q_rows, _, _), (kv_rows, _, _) = q_kv
+            k_or_v = linears([(kv_rows, h, 1)], m.qkv_bias)
+            qkv = linears([(q_rows, h, 1)], m.qkv_bias) + qn + k_or_v + qn + k_or_v
+    layer = norm + qkv + linears(o, m.linear_bias) + post
     if m.block != "parallel-shared-norm":
         layer += norm
     layer += linears([gate_up], m.linear_bias) + linears([down], m.linear_bias) + post

@@ -3,13 +3,14 @@
 Op by op (what autograd saves is what the activation model must count; see docs/validation.md):
 - embedding `tok` (V x h), optional learned positions `pos` (max_positions x h), added;
 - per block: `norm1` (RMSNorm with the fused kernel's saved tensors / nn.LayerNorm) -> q, k, v (separate
-  nn.Linear, GQA-sized k/v) -> rotary on q, k (rotate-half form, cos/sin computed once per forward in the
+  nn.Linear, GQA-sized k/v; with `qk_norm` q and k each through a norm over every head, Qwen3's order) -> rotary on q, k (rotate-half form, cos/sin computed once per forward in the
   activation dtype) -> attention core (SDPA with is_causal and enable_gqa for `flash`; matmul + additive causal bias + softmax + matmul for `eager`, k/v
   repeated for GQA) -> o -> residual add -> `norm2` -> MLP (SwiGLU: down(silu(gate(x)) * up(x)); GELU:
   proj(gelu_tanh(fc(x))); MoE models: `MoE`, HF's MixtralSparseMoeBlock with balanced routing, the first
   `first_dense_layers` keeping the dense MLP) -> residual add; MLA models: `LatentAttention` (HF
   DeepseekV3Attention) in place of q/k/v/o; a parallel block (`ModelSpec.block`) returns mlp(n2) + attn(n1) + x
   with n2 = norm2(x), or n1 itself when the norm is shared (GPT-NeoX / lit-gpt order);
+  with `post_norms` (Gemma 2/3) the attention's and the MLP's outputs each pass a norm before their residual add;
   dropout (when > 0, CUDA's native_dropout with its bool mask on every device) after o, after the MLP and on the
   attention probabilities;
 - final norm, LM head (tied: shares `tok.weight`), logits in the compute dtype; the loss upcasts them to fp32
@@ -217,7 +218,7 @@ def _sdpa_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> t
 
 class Attention(nn.Module):
     def __init__(self, m: ModelSpec, kernel: str, dropout: float, selective: bool, qkv_impl: str = "separate",
-                 gqa_impl: str = "native"):
+                 gqa_impl: str = "native", norm_impl: str = "fused"):
         super().__init__()
         h, a, g, d = m.hidden, m.heads, m.kv_heads, m.head_dim
         self.d, self.rep, self.groups = d, a // g, g
@@ -233,6 +234,11 @@ class Attention(nn.Module):
             self.k = nn.Linear(h, g * d, bias=m.qkv_bias)
             self.v = nn.Linear(h, g * d, bias=m.qkv_bias)
         self.o = nn.Linear(a * d, h, bias=m.linear_bias)
+        # Qwen3 / Gemma 3 (modeling_qwen3.py Qwen3Attention): q_norm and k_norm over each head before rotary; the
+        # fused form casts a bf16 input to fp32 under autocast, as CUDA's autocast does for rms_norm
+        per_head = m.model_copy(update={"hidden": d})
+        self.q_norm = _norm(per_head, norm_impl, autocast_fp32=True) if m.qk_norm else None
+        self.k_norm = _norm(per_head, norm_impl, autocast_fp32=True) if m.qk_norm else None
         self.cp_group: Any = None  # all-to-all context parallelism (Ulysses) over this group when set
 
     def _fused_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -250,7 +256,10 @@ class Attention(nn.Module):
         p = self.dropout if self.training else 0.0
         if self.kernel == "flash":
             gqa = k.shape[1] != q.shape[1]  # fused QKV / --gqa-impl expand have expanded K/V already
-            if gqa and q.dtype == torch.float32 and not q.is_cuda:
+            # the dtype the kernel runs in: autocast casts fp32 inputs (the fp32 output of a q/k norm under AMP)
+            dev = q.device.type
+            kernel_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
+            if gqa and kernel_dtype == torch.float32 and not q.is_cuda:
                 return _sdpa_math(q, k, v, p)
             if not q.is_cuda:
                 # CUDA's flash and memory-efficient kernels drop out inside the kernel and save only its RNG state
@@ -276,9 +285,14 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         if self.fused:
             q, k, v = self._fused_qkv(x)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
         else:
-            q = self.q(x).view(b, s, -1, self.d).transpose(1, 2)
-            k = self.k(x).view(b, s, -1, self.d).transpose(1, 2)
+            # (HF Qwen3's order: q and its norm, k and its norm, v)
+            q = self.q(x).view(b, s, -1, self.d)
+            q = (q if self.q_norm is None else self.q_norm(q)).transpose(1, 2)
+            k = self.k(x).view(b, s, -1, self.d)
+            k = (k if self.k_norm is None else self.k_norm(k)).transpose(1, 2)
             v = self.v(x).view(b, s, -1, self.d).transpose(1, 2)
         if self.rotary:
             assert rope is not None
@@ -470,7 +484,7 @@ class Block(nn.Module):
         if m.mla is not None:
             self.attn: nn.Module = LatentAttention(m, dropout, selective, norm_impl)
         else:
-            self.attn = Attention(m, kernel, dropout, selective, qkv_impl, gqa_impl)
+            self.attn = Attention(m, kernel, dropout, selective, qkv_impl, gqa_impl, norm_impl)
         # Gemma 2/3 (modeling_gemma2.py Gemma2DecoderLayer): x + post_attention_norm(attn(norm1 x)), then
         # + post_feedforward_norm(mlp(norm2 .)); registered in the order the forward uses them
         self.post_attn = _norm(m, norm_impl, autocast_fp32=True) if m.post_norms else None
