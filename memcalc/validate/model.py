@@ -496,11 +496,14 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         if self.block == "sequential":
-            a = self.attn(self.norm1(x), rope)
-            x = x + (a if self.post_attn is None else self.post_attn(a))
+            # (no local names for the branch outputs: a reference would keep the attention output alive through
+            # the MLP's forward, which no framework does)
             assert self.norm2 is not None
-            y = self.mlp(self.norm2(x))
-            return x + (y if self.post_mlp is None else self.post_mlp(y))
+            if self.post_attn is None or self.post_mlp is None:
+                x = x + self.attn(self.norm1(x), rope)
+                return x + self.mlp(self.norm2(x))
+            x = x + self.post_attn(self.attn(self.norm1(x), rope))
+            return x + self.post_mlp(self.mlp(self.norm2(x)))
         # parallel residual, in GPT-NeoX's / lit-gpt's order: mlp(n2) + attn(n1) + x
         n1 = self.norm1(x)
         h = self.attn(n1, rope)
