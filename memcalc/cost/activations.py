@@ -469,6 +469,13 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
             out["attn_lse"] = 4 * tok * heads
     # attention output = o-projection input (Korthikanti: 2sbh); flash's saved `out` is this same tensor
     out["attn_output"] = c * tok * heads * d_v
+    t_ = run.training
+    if recompute == "selective" and t_.lora_rank is not None:
+        # the checkpointed core's own output is not kept, and a frozen o projection saves no input: only an
+        # undropped adapter on o (or a bitsandbytes base, `_keeps_inputs`) keeps it. Measured by the harness
+        o_reads = ("o" in lora_projections(t_.lora_targets) and t_.lora_dropout == 0) or _keeps_inputs(t_)
+        if not o_reads:
+            out["attn_output"] = 0
     if run.cp_comm == "a2a" and recompute != "selective":
         # all-to-all CP (TE AttnFuncWithCPAndQKVOA2A): the kernel's output is head-sharded over the full sequence
         # and goes through a second all-to-all back to sequence sharding, so the o projection's input is a new
@@ -637,10 +644,24 @@ def first_stage_terms(run: Run) -> dict[str, Num]:
         # the layer require grad. Measured by the harness (docs/validation.md, LoRA rows).
         terms = layer_terms(run)
         frozen = terms["attn_norm"] + terms.get("lora_dropout_qkv_mask", 0)
-        if not any(p in lora_projections(t.lora_targets) for p in ("q", "k", "v", "o")):
-            # no attention adapter: the first layer's attention output needs no gradient, so its post norm
-            # (Gemma 2/3) saves nothing either
-            frozen = frozen + terms.get("attn_post_norm", 0)
+        if run.model.block == "sequential" and not any(p in lora_projections(t.lora_targets)
+                                                       for p in ("q", "k", "v", "o")):
+            # no attention adapter (`--lora-targets mlp`): nothing in the first layer's attention requires grad,
+            # so SDPA saves no q, k, v, output or statistics, and the MLP's norm reads a stream that needs no
+            # gradient through a frozen weight: it saves nothing either (the adapters save their own input).
+            # Measured by the harness (tests/test_validate_lora.py); it was +4.1% on a 4-layer model
+            saved = layer_terms(run, t.recompute)
+            frozen = frozen + sum(saved.get(k, 0) for k in _FIRST_LAYER_FROZEN_ATTENTION)
+            _, _, tok_sp_, tok_in = _shape(run)
+            mlp_in = len(_mlp_in_adapted(run))
+            if t.lora_dropout > 0:
+                # the gate / up adapters' dropout reads that no-grad norm output: it keeps no mask
+                frozen = frozen + mlp_in * tok_in * run.model.hidden
+            if not mlp_in:
+                # the down projection's adapter alone trains: nothing before it in the MLP needs a gradient, so
+                # the gate / up outputs and silu's input are not saved either (the activation is: the adapter's)
+                frozen = frozen + sum(saved.get(k, 0) for k in ("mlp_gate_up_output", "mlp_silu_output",
+                                                                 "mlp_fc_output"))
         if run.model.block != "sequential" and not (_mlp_in_adapted(run) or _down_adapted(run)):
             # a parallel block's MLP reads the layer input through a frozen norm, not the attention's output: with
             # no adapter of its own nothing in that branch requires grad, and it saves nothing (lit-gpt's phi and
@@ -1219,6 +1240,11 @@ _UP_TO_CORE = ("attn_norm", "attn_norm_normalized", "qkv_input", "amp_weight_cas
                "attn_dropout_mask", "attn_dropout_output", "attn_lse", "lora_attn_low_rank", "lora_dropout_qkv",
                "lora_dropout_qkv_mask", "lora_qkv_zero_pad")
 _CORE = ("attn_softmax", "attn_probs", "attn_dropout_mask", "attn_dropout_output", "attn_lse")
+# what a LoRA model's first layer does not save when no adapter is in its attention (`first_stage_terms`); the
+# q/k/v input is the bitsandbytes rule's (`_bnb_first_layer_unkept`)
+_FIRST_LAYER_FROZEN_ATTENTION = ("attn_norm_normalized", "qk_norm", "q", "k", "v", "qkv_fused_buffer", *_CORE,
+                                 "attn_output", "attn_output_copy", "attn_output_pre_a2a",
+                                 "attn_residual_dropout_mask", "attn_post_norm", "mlp_norm", "mlp_norm_normalized")
 # saved before an all-to-all CP exchange of Q, K, V (`_saved_after_exchange`)
 _BEFORE_EXCHANGE = frozenset(k for k in _UP_TO_CORE if k not in _CORE) | {"checkpoint_input", "sac_q_output",
                                                                          "sac_v_output"}
