@@ -469,11 +469,11 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
             out["attn_lse"] = 4 * tok * heads
     # attention output = o-projection input (Korthikanti: 2sbh); flash's saved `out` is this same tensor
     out["attn_output"] = c * tok * heads * d_v
-    t_ = run.training
-    if recompute == "selective" and t_.lora_rank is not None:
+    tr = run.training
+    if recompute == "selective" and tr.lora_rank is not None:
         # the checkpointed core's own output is not kept, and a frozen o projection saves no input: only an
         # undropped adapter on o (or a bitsandbytes base, `_keeps_inputs`) keeps it. Measured by the harness
-        o_reads = ("o" in lora_projections(t_.lora_targets) and t_.lora_dropout == 0) or _keeps_inputs(t_)
+        o_reads = ("o" in lora_projections(tr.lora_targets) and tr.lora_dropout == 0) or _keeps_inputs(tr)
         if not o_reads:
             out["attn_output"] = 0
     if run.cp_comm == "a2a" and recompute != "selective":
@@ -652,7 +652,7 @@ def first_stage_terms(run: Run) -> dict[str, Num]:
             # Measured by the harness (tests/test_validate_lora.py); it was +4.1% on a 4-layer model
             saved = layer_terms(run, t.recompute)
             frozen = frozen + sum(saved.get(k, 0) for k in _FIRST_LAYER_FROZEN_ATTENTION)
-            _, _, tok_sp_, tok_in = _shape(run)
+            tok_in = _shape(run)[3]
             mlp_in = len(_mlp_in_adapted(run))
             if t.lora_dropout > 0:
                 # the gate / up adapters' dropout reads that no-grad norm output: it keeps no mask
