@@ -16,6 +16,15 @@ def run_of(**kw):
     return build_run(RunOptions(**kw))
 
 
+def prediction_gap(rep: dict) -> dict[str, int]:
+    """predicted - measured bytes of a `validate` report, whole step ("peak") and per phase."""
+    out = {"peak": rep["predicted"]["peak_bytes"] - rep["measured"]["peak_bytes"]}
+    for r in rep["rows"]:
+        if r["section"] == "phases":
+            out[r["name"]] = r["predicted"] - r["measured"]
+    return out
+
+
 def cli(*args: str) -> tuple[int, str, str]:
     """Run `memcalc ARGS` in-process; returns (exit code, stdout, stderr)."""
     from memcalc.cli import main

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 from memcalc.specs import ModelSpec, ParallelSpec, resolve  # noqa: E402
 from memcalc.validate.api import validate  # noqa: E402
+from tests.conftest import prediction_gap as _gap  # noqa: E402
 from tests.conftest import run_of  # noqa: E402
 
 SHAPE = dict(layers=4, hidden=64, heads=4, ffn=176, vocab=512)
@@ -25,14 +26,6 @@ def _run(post: bool, field: str = "post_norms", **opts):
     m = ModelSpec(**{**run.model.model_dump(), field: post})
     p = ParallelSpec(gpus=run.gpus, tp=run.tp, pp=run.pp, zero=run.zero, sp=run.sp)
     return resolve(m, run.training, p, run.hardware, run.profile)
-
-
-def _gap(rep) -> dict[str, int]:
-    out = {"peak": rep["predicted"]["peak_bytes"] - rep["measured"]["peak_bytes"]}
-    for r in rep["rows"]:
-        if r["section"] == "phases":
-            out[r["name"]] = r["predicted"] - r["measured"]
-    return out
 
 
 @pytest.mark.parametrize("opts", [

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 from memcalc.specs import ModelSpec, resolve  # noqa: E402
 from memcalc.validate.api import validate  # noqa: E402
+from tests.conftest import prediction_gap as _gap  # noqa: E402
 from tests.conftest import run_of  # noqa: E402
 
 GPT = dict(layers=4, hidden=64, heads=4, ffn=256, vocab=512)
@@ -29,15 +30,6 @@ def _run(block: str, **opts):
 
     p = ParallelSpec(gpus=run.gpus, tp=run.tp, zero=run.zero, sp=run.sp)
     return resolve(m, run.training, p, run.hardware, run.profile)
-
-
-def _gap(rep) -> dict[str, int]:
-    """predicted - measured bytes, whole step and per phase."""
-    out = {"peak": rep["predicted"]["peak_bytes"] - rep["measured"]["peak_bytes"]}
-    for r in rep["rows"]:
-        if r["section"] == "phases":
-            out[r["name"]] = r["predicted"] - r["measured"]
-    return out
 
 
 @pytest.mark.parametrize("opts", [
