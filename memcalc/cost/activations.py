@@ -80,29 +80,14 @@ def _norm_saved(run: Run, c: int, tok_sp: Num, stats: Num) -> tuple[Num, Num | N
     return stream * tok_sp * h + stats, None
 
 
-def _post_norm_saved(run: Run, c: int, tok_sp: Num, stats: Num) -> Num:
-    """Bytes a post norm (`ModelSpec.post_norms`: Gemma 2/3's norm on the attention output and on the MLP output,
-    before the residual add) saves for backward. Its input is a linear's output, in the compute dtype. Fused (an
-    aten norm kernel): under autocast CUDA runs rms_norm and layer_norm in fp32 (aten/src/ATen/autocast_mode.cpp
-    registers AutocastCUDA for them), so it saves an fp32 cast of that input, else the input itself; plus the fp32
-    statistics. Eager fp32 RMSNorm (`--norm-impl fp32`): the fp32 copy and rstd, and the normalized tensor cast
-    back to the input's (compute) dtype when the weight trains."""
-    h = run.model.hidden
-    if run.training.norm_impl == "fp32" and run.model.norm == "rmsnorm":
-        normalized = c * tok_sp * h if run.training.lora_rank is None else 0
-        return 4 * tok_sp * h + stats + normalized
-    return _stream_bytes(run, c) * tok_sp * h + stats
-
-
-def _qk_norm_saved(run: Run, c: int, tok: Num, rows_per_token: Num, d: int) -> Num:
-    """Bytes the q and k norms (`ModelSpec.qk_norm`: Qwen3, Gemma 3) save: each normalizes every head vector of
-    the projection's output (compute dtype) over head_dim, so rstd is per head and token. Fused: the input, as an
-    fp32 cast under torch AMP (CUDA's autocast runs rms_norm in fp32), and rstd. Eager fp32 RMSNorm
-    (`--norm-impl fp32`, HF Qwen3RMSNorm): the fp32 copy, rstd and, when the weight trains, the normalized tensor
-    in the compute dtype. What follows (rotary, then SDPA's saved q and k, cast to the compute dtype under
-    autocast) is as without them."""
-    elems = tok * rows_per_token * d
-    stats = 4 * tok * rows_per_token
+def _output_norm_saved(run: Run, c: int, elems: Num, stats: Num) -> Num:
+    """Bytes saved by a norm whose input is a linear's output in the compute dtype (`elems` elements), with the
+    fp32 statistics `stats`: Gemma 2/3's post norms on the attention and MLP outputs (`ModelSpec.post_norms`) and
+    Qwen3 / Gemma 3's per-head q and k norms (`qk_norm`). Fused (an aten norm kernel): under autocast CUDA runs
+    rms_norm and layer_norm in fp32 (aten/src/ATen/autocast_mode.cpp registers AutocastCUDA for them), so it saves
+    an fp32 cast of the input, else the input itself. Eager fp32 RMSNorm (`--norm-impl fp32`, HF Qwen3RMSNorm): the
+    fp32 copy and, when the weight trains, the normalized tensor cast back to the compute dtype. What follows the
+    q/k norms (rotary, then SDPA's saved q and k, cast to the compute dtype under autocast) is as without them."""
     if run.training.norm_impl == "fp32" and run.model.norm == "rmsnorm":
         return 4 * elems + stats + (c * elems if run.training.lora_rank is None else 0)
     return _stream_bytes(run, c) * elems + stats
@@ -439,7 +424,8 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         # a selectively recomputed eager core saves its inputs, K and V before their repetition
         _qkv_terms(run, out, fused_qkv, gqa, eager and recompute != "selective")
     if m.qk_norm:
-        out["qk_norm"] = _qk_norm_saved(run, c, tok, heads + m.kv_heads // t, d)
+        rows = tok * (heads + m.kv_heads // t)  # one rstd per head vector
+        out["qk_norm"] = _output_norm_saved(run, c, rows * d, 4 * rows)
         if recompute == "selective":
             # the checkpointed core's saved inputs are q and k as the norms return them, through rotary: fp32
             # under autocast (the core's own matmuls or SDPA cast them inside); measured by the harness
@@ -491,7 +477,7 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     if dropout:
         out["attn_residual_dropout_mask"] = tok_sp * h  # 1 byte per element (Korthikanti: sbh)
     if m.post_norms:
-        out["attn_post_norm"] = _post_norm_saved(run, c, tok_sp, stats)
+        out["attn_post_norm"] = _output_norm_saved(run, c, tok_sp * h, stats)
     out["residual_adds"] = 0  # an add saves nothing; the residual stream is kept by the next norm's saved input
     if m.block == "sequential":
         out["mlp_norm"] = norm
@@ -516,7 +502,7 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
     if dropout:
         out["mlp_residual_dropout_mask"] = tok_sp * h
     if m.post_norms:
-        out["mlp_post_norm"] = _post_norm_saved(run, c, tok_sp, stats)
+        out["mlp_post_norm"] = _output_norm_saved(run, c, tok_sp * h, stats)
     if run.training.lora_rank is not None:
         _lora_terms(run, out, c, tok, tok_in, eager)
     if m.block == "parallel-shared-norm" and "mlp_input" in out:
