@@ -15,7 +15,7 @@ import pytest
 from memcalc.cost.estimate import peak_bytes
 from memcalc.options import RunOptions, build_run
 from memcalc.specs import InputError
-from memcalc.plan.search import (Request, bulk_peak, command_for, config_options, pareto, plan, ranked, search,
+from memcalc.plan.search import (Request, _tight, bulk_peak, command_for, config_options, pareto, plan, ranked, search,
                                  times, _group_run)
 from memcalc.plan.space import RULES, parse_bounds
 from tests.conftest import cli, cli_json
@@ -278,6 +278,23 @@ def test_objective_gpus_finds_fewest():
     assert fewest == int(res.space.gpus[res.feasible.pair].min())
     est = cli_json(*_args(out["plans"][0]["command"]))
     assert est["memory"]["fits"] and est["inputs"]["parallel"]["gpus"] == fewest
+
+
+def test_objective_gpus_puts_fits_with_room_first():
+    """Llama-2-13B on up to 16 H100s without offload: on 4 GPUs the fastest layouts peak at 74.6-75.7 GiB of 79.6,
+    inside the reserved-memory error (12.5% of the peak, about 9.4 GiB): tight. They ranked 1-4 before; a fit with
+    room (69.9 GiB, 9.7 GiB free > 8.7 GiB) on the same 4 GPUs now ranks first, and every tight fit follows all fits
+    with room, each group by fewest GPUs."""
+    o = RunOptions(model="llama-2-13b", gpus=16, gpu="h100-sxm-80gb", global_batch=64, seq=4096)
+    b = parse_bounds(offload="none")
+    out = plan(Request(o, bounds=b, objective="gpus", top=3))
+    assert [(p["search"]["tight"], p["layout"]["gpus"]) for p in out["plans"]] == [(False, 4)] * 3
+    res = search(Request(o, bounds=b, objective="gpus"))
+    order = ranked(res)
+    tight, gpus = _tight(res)[order], res.space.gpus[res.feasible.pair][order]
+    keys = list(zip(tight.tolist(), gpus.tolist()))
+    assert keys == sorted(keys) and int(gpus.min()) == 4
+    assert (True, 4) in keys  # the tight 4-GPU layouts are there, after every fit with room
 
 
 def test_nothing_fits_gives_advice_that_fits():

@@ -377,7 +377,7 @@ def ranked(res: SearchResult) -> np.ndarray:
     (1%) of the fastest, then of each next 1% band, count as equal; within a band a configuration whose headroom is
     inside the reserved-memory model's error (`tight`) goes after those with room, and offload (its CPU step runs
     at an assumed host rate, memcalc/cost/compute.py) after no offload; then the highest tokens/s, the lowest
-    peak."""
+    peak. GPUs: the fewest GPUs among the fits with room, then the tight fits, each by fewest GPUs."""
     f, s = res.feasible, res.space
     if f.size == 0:
         return np.zeros(0, dtype=np.int64)
@@ -387,7 +387,8 @@ def ranked(res: SearchResult) -> np.ndarray:
     if res.request.objective == "memory":
         keys = (tie, off, -f.tps, f.peak)
     elif res.request.objective == "gpus":
-        keys = (tie, f.peak, off, -f.tps, gpus)
+        # a tight fit is a maybe: every fit with room ranks first, the fewest GPUs among them on top
+        keys = (tie, f.peak, off, -f.tps, gpus, _tight(res))
     else:
         best = float(f.tps.max())
         if best > 0:
