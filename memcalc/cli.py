@@ -69,6 +69,9 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
                    "outputs before the residual adds, four per layer (Gemma 2/3).", panel=_M, show_default=False)),
     "qk_norm": (Optional[bool], None, _opt("--qk-norm/--no-qk-norm", help="An RMSNorm over each head of q and of k "
                 "before rotary (Qwen3, Gemma 3).", panel=_M, show_default=False)),
+    "final_logit_softcap": (Optional[bool], None, _opt("--logit-softcap/--no-logit-softcap", help="The logits pass "
+                            "tanh(x / cap) * cap before the loss, whose tanh saves one more logit-sized tensor "
+                            "(Gemma 2).", panel=_M, show_default=False)),
     "block": (Optional[str], None, _opt("--block", help="Layer: sequential (attention, then MLP) | parallel (x + "
               "attn(norm1 x) + mlp(norm2 x): GPT-NeoX) | parallel-shared-norm (one norm for both: GPT-J, phi).",
               panel=_M)),

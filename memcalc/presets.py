@@ -184,6 +184,9 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
         "post_norms": mt in ("gemma2", "gemma3", "gemma3_text"),
         # Qwen3 and Gemma 3 (modeling_qwen3.py Qwen3Attention): an RMSNorm over each head of q and k
         "qk_norm": mt in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
+        # Gemma 2 (Gemma2ForCausalLM.forward): logits / cap -> tanh -> * cap before the loss; Gemma2Config's default
+        # is 30.0 (a config.json that omits it gets it), an explicit null turns it off; Gemma 3 sets it null
+        "final_logit_softcap": bool(cfg.get("final_logit_softcapping", 30.0 if mt == "gemma2" else None)),
         "block": block,
         "tied_embeddings": bool(get("tie_word_embeddings", default=gpt2 or mt in _GEMMA)),
         "positions": "learned" if gpt2 else "rotary",
@@ -235,10 +238,6 @@ def _hf_unmodelled(cfg: dict[str, Any], mt: str) -> list[str]:
     if mt == "olmo2":
         out.append("q_norm and k_norm over the whole q and k projections (OLMo 2): their weights and saved inputs "
                    "are not counted")
-    if cfg.get("final_logit_softcapping"):
-        # Gemma2ForCausalLM.forward: logits / cap -> tanh -> * cap before the loss; tanh saves its output
-        out.append("final_logit_softcapping: the tanh over the logits saves one more logit-sized tensor (compute "
-                   "dtype x tokens x vocab_size bytes on the last stage), not counted")
     if cfg.get("attn_logit_softcapping"):
         out.append("attn_logit_softcapping: attention must run a kernel that supports it (eager, or flash-attn "
                    ">= 2.6); memcalc models the --attention given")

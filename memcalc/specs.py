@@ -100,6 +100,9 @@ class ModelSpec(_Frozen):
     # an RMSNorm over each head of q and of k (weight head_dim each) before rotary (Qwen3, Gemma 3:
     # modeling_qwen3.py Qwen3Attention q_norm / k_norm)
     qk_norm: bool = False
+    # the logits pass tanh(x / cap) * cap before the loss (Gemma 2's final_logit_softcapping; modeling_gemma2.py
+    # Gemma2ForCausalLM.forward): tanh saves its output, one more logit-sized tensor (the cap's value is immaterial)
+    final_logit_softcap: bool = False
     positions: Literal["rotary", "learned"] = "rotary"
     max_positions: int = Field(default=0, ge=0)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -620,6 +623,11 @@ def resolve(
         if why:
             raise InputError(f"--keep-logits {t.keep_logits} is a training loop's reference to the logits of "
                              f"--loss full or lit-gpt without pipelining (got {why}); valid there: none")
+    if m.final_logit_softcap and (t.loss != "full" or profile == "megatron"):
+        why = f"--profile {profile}" if t.loss == "full" else f"--loss {t.loss}"
+        raise InputError(f"--logit-softcap (Gemma 2's final_logit_softcapping) is modelled for the model's own "
+                         f"forward with --loss full under --profile torch or deepspeed (got {why}); valid here: "
+                         "--no-logit-softcap, which leaves its saved tanh output uncounted")
     if t.foreach is not None and t.optimizer_impl is not None and t.foreach != (t.optimizer_impl == "foreach"):
         flag = "--foreach" if t.foreach else "--no-foreach"
         raise InputError(f"{flag} contradicts --optimizer-impl {t.optimizer_impl}; give one of them")

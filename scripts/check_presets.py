@@ -46,6 +46,7 @@ MODEL_OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "head_bias": bool,
     "post_norms": bool,
     "qk_norm": bool,
+    "final_logit_softcap": bool,  # the head's output softcapped (Gemma 2): activations only, no parameters
     "block": str,
     "moe": dict,
     "mla": dict,
@@ -55,7 +56,8 @@ MOE_OPTIONAL: dict[str, type] = {"first_dense_layers": int}
 MLA_REQUIRED: dict[str, type] = {"kv_lora_rank": int, "qk_nope_dim": int, "qk_rope_dim": int, "v_head_dim": int}
 MLA_OPTIONAL: dict[str, type] = {"q_lora_rank": int}
 CHOICES = {
-    "family": {"llama", "gpt2", "gpt3", "mistral", "mixtral", "qwen2", "deepseek", "phi", "gpt-neox"},
+    "family": {"llama", "gpt2", "gpt3", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "deepseek", "phi",
+               "gpt-neox"},
     "mlp": {"swiglu", "gelu"},
     "norm": {"rmsnorm", "layernorm"},
     "positions": {"rotary", "learned"},

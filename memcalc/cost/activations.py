@@ -683,6 +683,7 @@ def last_stage_terms(run: Run) -> dict[str, Num]:
         # Korthikanti sec. 4.3: 2sbh/t (with SP); none for a frozen head (`_head_saves_input`)
         "output_layer_input": c * tok_in * h if _head_saves_input(run) else 0,
         **_loss_saved(run),
+        "logit_softcap_tanh": _softcap_saved(run),
     }
     if run.profile != "megatron":
         # the labels (int64), kept by the cross-entropy for its backward (nll_loss saves its target); under torch
@@ -703,8 +704,18 @@ def last_stage_terms(run: Run) -> dict[str, Num]:
 
 
 def _loss_freed(run: Run) -> Num:
-    """What the loss saved and its backward frees (all of it but lit-gpt's logits list, `loss_kept_bytes`)."""
-    return sum(_loss_saved(run).values()) - loss_kept_bytes(run)
+    """What the loss saved and its backward frees (all of it but lit-gpt's logits list, `loss_kept_bytes`), and the
+    softcap's tanh output, freed by its backward before the LM head's."""
+    return sum(_loss_saved(run).values()) - loss_kept_bytes(run) + _softcap_saved(run)
+
+
+def _softcap_saved(run: Run) -> Num:
+    """Gemma 2's final-logit softcapping (`ModelSpec.final_logit_softcap`; modeling_gemma2.py Gemma2ForCausalLM:
+    `logits / cap`, `tanh`, `* cap` on the LM head's output): the scalar divide and multiply save nothing, tanh
+    saves its output (TanhBackward0 `result`), one more logit-sized tensor in the head's output dtype (the
+    compute dtype; tanh is not an autocast op) until its backward, which runs after the loss's and before the
+    head's. Each replica's own (DataParallel gathers the capped logits). resolve() allows it with --loss full only."""
+    return DTYPE_BYTES[run.recipe.compute_dtype] * _logit_elems(run) if run.model.final_logit_softcap else 0
 
 
 def _head_trains(run: Run) -> bool:
@@ -2377,7 +2388,10 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     layer_k_extra = at_layer - at_first_layer  # added back for the stage's later layers (timeline `acts_at`)
     # the logits at the LM head's matmul; a model that returns them upcast (`--keep-logits fp32`) makes the fp32
     # copy right there, while the loop still holds the previous micro-batch's (in `base`)
-    logits = where(last, (c + (4 if tr.keep_logits == "fp32" and c < 4 else 0)) * _logit_elems(run), 0)
+    # softcapping's divide, tanh and multiply each write a new logit-sized tensor while the previous one is live
+    # (`_softcap_saved`): one more, then the saved tanh output beside the capped logits (and their fp32 copy)
+    logits = where(last, (c + (4 if tr.keep_logits == "fp32" and c < 4 else 0)) * _logit_elems(run)
+                   + _softcap_saved(run), 0)
     # the end of the last layer's forward: its down (or proj) output, not saved, beside the residual add's output,
     # which the final norm saves on the last stage (a loss / LM-head term subtracted with `last_saved`); a
     # quantized down projection's matmul just before: its output and dequantized weight, and, when the layer is

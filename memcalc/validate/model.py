@@ -540,6 +540,7 @@ class Head(nn.Module):
         self.norm = _norm(m, norm_impl)
         self.out = nn.Linear(m.hidden, m.vocab, bias=m.head_bias)
         self.chunks, self.chunk_size = chunks, chunk_size
+        self.softcap = 30.0 if m.final_logit_softcap else 0.0  # Gemma 2's final_logit_softcapping (its config's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
         return self.project(self.norm(x))
@@ -552,7 +553,13 @@ class Head(nn.Module):
         if self.chunk_size:
             # lit-gpt's GPT.forward with lm_head_chunk_size: the head per fixed-size piece of the sequence
             return [self._chunk(c) for c in h.split(self.chunk_size, dim=1)]
-        return self.out(h)
+        if not self.softcap:
+            return self.out(h)
+        # Gemma2ForCausalLM.forward: each step reassigns `logits`, so each input is freed once the next exists
+        x = self.out(h)
+        x = x / self.softcap
+        x = torch.tanh(x)
+        return x * self.softcap
 
     def _chunk(self, x: torch.Tensor) -> torch.Tensor:
         """The head on one sequence chunk, as aten::linear runs it outside a dispatch mode: a non-contiguous chunk
