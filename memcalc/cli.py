@@ -72,6 +72,9 @@ RUN_OPTIONS: dict[str, tuple[Any, Any, Any]] = {
     "final_logit_softcap": (Optional[bool], None, _opt("--logit-softcap/--no-logit-softcap", help="The logits pass "
                             "tanh(x / cap) * cap before the loss, whose tanh saves one more logit-sized tensor "
                             "(Gemma 2).", panel=_M, show_default=False)),
+    "attn_softcap": (Optional[bool], None, _opt("--attn-softcap/--no-attn-softcap", help="The attention scores pass "
+                     "tanh(x / cap) * cap before the softmax; under --attention eager its tanh saves them once more "
+                     "(Gemma 2).", panel=_M, show_default=False)),
     "block": (Optional[str], None, _opt("--block", help="Layer: sequential (attention, then MLP) | parallel (x + "
               "attn(norm1 x) + mlp(norm2 x): GPT-NeoX) | parallel-shared-norm (one norm for both: GPT-J, phi).",
               panel=_M)),

@@ -43,7 +43,7 @@ FLAG_OF = {
     "mlp": "--mlp", "norm": "--norm", "tied_embeddings": "--tied-embeddings", "positions": "--positions",
     "bias": "--bias", "qkv_bias": "--qkv-bias", "head_bias": "--head-bias", "block": "--block",
     "post_norms": "--post-norms", "qk_norm": "--qk-norm",
-    "final_logit_softcap": "--logit-softcap",
+    "final_logit_softcap": "--logit-softcap", "attn_softcap": "--attn-softcap",
     "max_positions": "--max-positions", "head_dim": "--head-dim",
     "experts": "--experts", "top_k": "--top-k", "expert_ffn": "--expert-ffn", "shared_experts": "--shared-experts",
     "first_dense_layers": "--first-dense-layers", "q_lora_rank": "--q-lora-rank", "kv_lora_rank": "--kv-lora-rank",
@@ -129,6 +129,7 @@ class RunOptions:
     post_norms: bool | None = None
     qk_norm: bool | None = None
     final_logit_softcap: bool | None = None
+    attn_softcap: bool | None = None
     block: str | None = None
     max_positions: int | None = None
     head_dim: int | None = None
@@ -238,7 +239,8 @@ ELEMENT_COUNT_KNOBS = ("reduce_bucket_size", "allreduce_bucket_size", "allgather
                        "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")
 IMPORT_FIELDS = ("deepspeed_config", "megatron_args", "torchtitan_config")
 SHAPE_CHOICE_FIELDS = ("mlp", "norm", "tied_embeddings", "positions", "bias", "qkv_bias", "head_bias", "post_norms",
-                       "qk_norm", "final_logit_softcap", "block", "max_positions")
+                       "qk_norm", "final_logit_softcap", "attn_softcap", "block",
+                       "max_positions")
 MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_experts", "first_dense_layers")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
 ARCH_FIELDS = ("head_dim", *MOE_FIELDS, *MLA_FIELDS)
@@ -275,6 +277,8 @@ def _shape_choices(o: RunOptions) -> dict[str, Any]:
         out["qk_norm"] = o.qk_norm
     if o.final_logit_softcap is not None:
         out["final_logit_softcap"] = o.final_logit_softcap
+    if o.attn_softcap is not None:
+        out["attn_softcap"] = o.attn_softcap
     if o.max_positions is not None:
         check_positive("--max-positions", o.max_positions)
         out["max_positions"] = o.max_positions

@@ -187,6 +187,8 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
         # Gemma 2 (Gemma2ForCausalLM.forward): logits / cap -> tanh -> * cap before the loss; Gemma2Config's default
         # is 30.0 (a config.json that omits it gets it), an explicit null turns it off; Gemma 3 sets it null
         "final_logit_softcap": bool(cfg.get("final_logit_softcapping", 30.0 if mt == "gemma2" else None)),
+        # and its attention scores (eager_attention_forward's `softcap`): Gemma2Config's default 50.0
+        "attn_softcap": bool(cfg.get("attn_logit_softcapping", 50.0 if mt == "gemma2" else None)),
         "block": block,
         "tied_embeddings": bool(get("tie_word_embeddings", default=gpt2 or mt in _GEMMA)),
         "positions": "learned" if gpt2 else "rotary",
@@ -238,9 +240,9 @@ def _hf_unmodelled(cfg: dict[str, Any], mt: str) -> list[str]:
     if mt == "olmo2":
         out.append("q_norm and k_norm over the whole q and k projections (OLMo 2): their weights and saved inputs "
                    "are not counted")
-    if cfg.get("attn_logit_softcapping"):
-        out.append("attn_logit_softcapping: attention must run a kernel that supports it (eager, or flash-attn "
-                   ">= 2.6); memcalc models the --attention given")
+    if cfg.get("attn_logit_softcapping", 50.0 if mt == "gemma2" else None):
+        out.append("attn_logit_softcapping: needs --attention eager (modelled: its tanh saves the scores once more) "
+                   "or flash-attn >= 2.6 (inside the kernel); PyTorch's SDPA kernels do not apply it")
     if mt and mt not in _HF_KNOWN:
         out.append(f"model_type {mt!r} is read by the field names of Llama, GPT-2 and GPT-NeoX configs; whatever "
                    "else its layers hold is not modelled (check the parameter count against the model card)")

@@ -103,6 +103,10 @@ class ModelSpec(_Frozen):
     # the logits pass tanh(x / cap) * cap before the loss (Gemma 2's final_logit_softcapping; modeling_gemma2.py
     # Gemma2ForCausalLM.forward): tanh saves its output, one more logit-sized tensor (the cap's value is immaterial)
     final_logit_softcap: bool = False
+    # the attention scores pass tanh(x / cap) * cap before the mask and softmax (Gemma 2's attn_logit_softcapping;
+    # modeling_gemma2.py eager_attention_forward): under --attention eager tanh saves them once more; flash-attn
+    # >= 2.6 applies it inside the kernel (nothing saved)
+    attn_softcap: bool = False
     positions: Literal["rotary", "learned"] = "rotary"
     max_positions: int = Field(default=0, ge=0)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -628,6 +632,10 @@ def resolve(
         raise InputError(f"--logit-softcap (Gemma 2's final_logit_softcapping) is modelled for the model's own "
                          f"forward with --loss full under --profile torch or deepspeed (got {why}); valid here: "
                          "--no-logit-softcap, which leaves its saved tanh output uncounted")
+    if m.attn_softcap and t.attention == "eager" and profile == "megatron":
+        raise InputError("--attn-softcap (Gemma 2's attn_logit_softcapping) with --attention eager is modelled on "
+                         "Hugging Face's eager attention (--profile torch or deepspeed), not Megatron's fused "
+                         "softmax; valid here: --attention flash, or --no-attn-softcap")
     if t.foreach is not None and t.optimizer_impl is not None and t.foreach != (t.optimizer_impl == "foreach"):
         flag = "--foreach" if t.foreach else "--no-foreach"
         raise InputError(f"{flag} contradicts --optimizer-impl {t.optimizer_impl}; give one of them")

@@ -47,6 +47,7 @@ MODEL_OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "post_norms": bool,
     "qk_norm": bool,
     "final_logit_softcap": bool,  # the head's output softcapped (Gemma 2): activations only, no parameters
+    "attn_softcap": bool,  # the attention scores softcapped (Gemma 2): activations only
     "block": str,
     "moe": dict,
     "mla": dict,

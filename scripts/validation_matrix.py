@@ -544,6 +544,16 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
                                                                                     recompute_every=2))
     add("PP2 interleaved vpp 2 bf16 AMP, 8 layers, full recompute of every 2nd layer, m 4, first stage",
         dict(R, recompute_layers=None, recompute_every=2, rank=0))
+    # a Gemma 2 layer (tied head, four norms a layer, GQA) with both of its softcaps, on eager attention as Hugging
+    # Face trains it: the logits' and the scores' tanh outputs (tests/test_logit_softcap.py)
+    G2 = dict(layers=4, hidden=64, heads=4, kv_heads=2, ffn=176, vocab=2048, seq=256, precision="bf16",
+              attention="eager", tied_embeddings=True, post_norms=True, final_logit_softcap=True,
+              attn_softcap=True)
+    add("single bf16 AMP, Gemma 2 layer: post norms, softcapped logits and eager scores", G2)
+    add("TP2+SP bf16 AMP, Gemma 2 layer: post norms, softcapped logits and eager scores",
+        dict(G2, gpus=2, tp=2, sp=True))
+    add("FSDP2 ZeRO-3 bf16 AMP, Gemma 2 layer, selective recompute: softcapped logits and eager scores",
+        dict(G2, gpus=2, zero=3, recompute="selective"))
     return c
 
 

@@ -1,11 +1,15 @@
-"""Gemma 2's final-logit softcapping (`ModelSpec.final_logit_softcap`, `--logit-softcap`): the LM head's output
-passes `logits / cap`, `tanh`, `* cap` (modeling_gemma2.py Gemma2ForCausalLM.forward) before the loss. tanh saves
-its output, one more logit-sized tensor in the compute dtype, from the head to its backward, which runs after the
-loss's; the divide and the multiply each write a new tensor beside the previous one.
+"""Gemma 2's softcapping, `tanh(x / cap) * cap`, measured and predicted.
 
-The harness builds the same three steps (memcalc/validate/model.py `Head.project`) and measures every phase on the
-CPU: with softcapping on, prediction and measurement move by the same bytes, `c*tok*V`, in every phase that holds
-the loss, and the error stays the plain model's to within 64 bytes."""
+- Final logits (`ModelSpec.final_logit_softcap`, `--logit-softcap`): the LM head's output passes `logits / cap`,
+  `tanh`, `* cap` (modeling_gemma2.py Gemma2ForCausalLM.forward) before the loss. tanh saves its output, one more
+  logit-sized tensor in the compute dtype, from the head to its backward, which runs after the loss's; the divide
+  and the multiply each write a new tensor beside the previous one.
+- Attention scores (`ModelSpec.attn_softcap`, `--attn-softcap`) under --attention eager (eager_attention_forward:
+  between the scaling and the mask): one more compute-dtype score tensor per layer, c*a/t*tok*s.
+
+The harness builds the same steps (memcalc/validate/model.py `Head.project`, `Attention._core`) and measures every
+phase on the CPU: with softcapping on, prediction and measurement move by the same bytes, and the error stays the
+plain model's to within 64 bytes."""
 
 from __future__ import annotations
 
@@ -70,8 +74,29 @@ def test_hf_config_softcapping_field():
     assert not model_from_hf_config(g3, "x").final_logit_softcap
     llama = {**g2, "model_type": "llama"}
     assert not model_from_hf_config(llama, "x").final_logit_softcap
-    notes = " ".join(model_from_hf_config({**g2, "attn_logit_softcapping": 50.0}, "x").notes)
+    # the attention's: Gemma2Config's default 50.0 as well, named in the notes (a kernel question under flash)
+    assert model_from_hf_config(g2, "x").attn_softcap
+    assert not model_from_hf_config({**g2, "attn_logit_softcapping": None}, "x").attn_softcap
+    assert not model_from_hf_config(g3, "x").attn_softcap and not model_from_hf_config(llama, "x").attn_softcap
+    notes = " ".join(model_from_hf_config(g2, "x").notes)
     assert "final_logit_softcapping" not in notes and "attn_logit_softcapping" in notes
+
+
+def test_gemma2_9b_attention_softcap_by_hand():
+    """Gemma-2-9B under --attention eager, seq 4096, micro-batch 1, bf16 AMP: each layer's tanh output is 2 bytes x
+    16 heads x 4096 queries x 4096 keys = 536,870,912 B; 42 layers, 22,548,578,304 B. Under flash nothing is
+    saved (the kernel caps inside), and selective recompute recomputes it with the core."""
+    base = ("estimate", "--model", "gemma-2-9b", "--gpus", "8", "--zero", "3", "--seq", "4096")
+    eager = cli_json(*base, "--attention", "eager")
+    assert eager["memory"]["activations_detail"]["attn_softcap_tanh"] == 42 * 2 * 16 * 4096 * 4096 == 22_548_578_304
+    off = cli_json(*base, "--attention", "eager", "--no-attn-softcap")
+    assert "attn_softcap_tanh" not in off["memory"]["activations_detail"]
+    assert eager["memory"]["allocated_peak_bytes"] - off["memory"]["allocated_peak_bytes"] == 22_548_578_304
+    for extra in (("--attention", "flash"), ("--attention", "eager", "--recompute", "selective")):
+        assert cli_json(*base, *extra)["memory"]["activations_detail"].get("attn_softcap_tanh", 0) == 0
+    code, _, err = cli("estimate", "--model", "gemma-2-9b", "--attention", "eager", "--profile", "megatron",
+                       "--no-logit-softcap")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--no-attn-softcap" in err
 
 
 # --- measured by the harness ---------------------------------------------------------------------------------------
@@ -107,3 +132,36 @@ def test_softcap_measured(opts):
     added = c * tok * SHAPE["vocab"] // opts.get("tp", 1)
     peaks = {sc: reps[sc]["measured"]["peak_bytes"] for sc in reps}
     assert peaks[True] - peaks[False] == added
+
+
+ATTN_SHAPE = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=176, vocab=512)
+ATTN_CASES = [
+    dict(precision="fp32", seq=256, dropout=0.1),
+    dict(precision="bf16", seq=512, micro_batch=2),  # AMP: the scores are bf16, the softmax's fp32
+    dict(precision="bf16", seq=512, recompute="selective"),  # the core recomputed: its tanh output comes back
+    dict(precision="bf16", seq=512, recompute="full"),
+    dict(precision="bf16", seq=512, lora_rank=8, lora_targets="mlp"),  # the first layer's attention saves nothing
+    dict(precision="bf16", seq=256, gpus=2, tp=2, sp=True),
+    dict(precision="bf16", seq=256, gpus=2, pp=2, grad_accum=4),
+]
+ATTN_IDS = ["fp32-dropout", "amp-mb2", "amp-selective", "amp-full", "lora-mlp", "tp2-sp", "pp2-1f1b"]
+
+
+@pytest.mark.parametrize("opts", ATTN_CASES, ids=ATTN_IDS)
+def test_attention_softcap_measured(opts):
+    pytest.importorskip("torch")
+    from memcalc.validate.api import validate
+
+    world = "fake" if opts.get("tp", 1) > 1 else "real"
+    runs = {sc: build_run(RunOptions(**ATTN_SHAPE, **opts, attention="eager", attn_softcap=sc)) for sc in (0, 1)}
+    reps = {sc: validate(runs[sc], device="cpu", world=world, steps=1, timeout=240) for sc in runs}
+    base, capped = _gap(reps[0]), _gap(reps[1])
+    for k, v in base.items():
+        assert abs(capped[k] - v) <= 64, (k, capped[k], v)
+    # measured: the layers that save it (the checkpointed core's one at a time; LoRA's first layer none; a 1F1B
+    # first stage's one layer for each of its 2 micro-batches in flight) hold c x a/t x tok x s bytes each more
+    c = 4 if opts["precision"] == "fp32" else 2
+    tok = opts["seq"] * opts.get("micro_batch", 1)
+    one = c * ATTN_SHAPE["heads"] // opts.get("tp", 1) * tok * opts["seq"]
+    layers = 1 if ("recompute" in opts or "lora_rank" in opts) else ATTN_SHAPE["layers"]
+    assert reps[1]["measured"]["peak_bytes"] - reps[0]["measured"]["peak_bytes"] == layers * one

@@ -449,6 +449,8 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
             if dropout:
                 out["attn_dropout_mask"] = scores  # 1 byte per element (bool mask): as^2b
                 out["attn_dropout_output"] = c * scores  # the dropped softmax, saved by the matmul with V
+            if _attn_softcap(run):
+                out["attn_softcap_tanh"] = c * scores
         else:
             # flash / SDPA: no s x s tensor; the fp32 log-sum-exp per head and query (Dao et al. 2022, FlashAttention
             # sec. 3.1; flash_attn softmax_lse). Attention dropout is regenerated from the saved RNG state.
@@ -1233,10 +1235,10 @@ def _offloaded_layer_at(parts: tuple[Num, ...], k: Num) -> Num:
 # terms saved in forward up to and including the attention core; the rest of a layer (output projection, MLP,
 # their norms and masks) is saved after it, so its backward runs (and frees them) before the core's
 _UP_TO_CORE = ("attn_norm", "attn_norm_normalized", "qkv_input", "amp_weight_casts_qkv", "qk_norm", "mla_q_latent",
-               "mla_kv_latent", "q", "k", "v", "qkv_fused_buffer", "attn_softmax", "attn_probs",
+               "mla_kv_latent", "q", "k", "v", "qkv_fused_buffer", "attn_softcap_tanh", "attn_softmax", "attn_probs",
                "attn_dropout_mask", "attn_dropout_output", "attn_lse", "lora_attn_low_rank", "lora_dropout_qkv",
                "lora_dropout_qkv_mask", "lora_qkv_zero_pad")
-_CORE = ("attn_softmax", "attn_probs", "attn_dropout_mask", "attn_dropout_output", "attn_lse")
+_CORE = ("attn_softcap_tanh", "attn_softmax", "attn_probs", "attn_dropout_mask", "attn_dropout_output", "attn_lse")
 # what a LoRA model's first layer does not save when no adapter is in its attention (`first_stage_terms`); the
 # q/k/v input is the bitsandbytes rule's (`_bnb_first_layer_unkept`)
 _FIRST_LAYER_FROZEN_ATTENTION = ("attn_norm_normalized", "qk_norm", "q", "k", "v", "qkv_fused_buffer", *_CORE,
@@ -1607,7 +1609,8 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed
         moment = d_o + terms["q"] + terms["k"] + terms["v"] - (after - terms["attn_output"])
     else:
         scores = (m.heads // run.tp) * tok * run.seq
-        core_but_softmax = sum(terms.get(k, 0) for k in _CORE if k != "attn_softmax")
+        # freed by the value matmul's backward; the softcap's tanh output lives on to its own, after the softmax's
+        core_but_softmax = sum(terms.get(k, 0) for k in _CORE if k not in ("attn_softmax", "attn_softcap_tanh"))
         at_matmul = d_o + terms["v"] + c * scores - after
         at_softmax = 8 * scores - after - core_but_softmax + softmax_backward_scratch(run)
         if recomputed and m.kv_heads < m.heads:
@@ -1704,12 +1707,24 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
     before = before + originals
     up = 0 if c == 4 else 4 * scores  # softmax(dtype=float32)'s upcast of compute-dtype scores
     copy = 0 if c == 4 else c * scores  # `.to(dtype)` of the fp32 probabilities
-    at_mask = 2 * c * scores + c * s_loc * s_loc
-    at_softmax = c * scores + up + 4 * scores
+    # softcapping (`_attn_softcap`): divide, tanh and multiply each beside the previous tensor (2 c S, as the
+    # scaling), and a plain layer's saved tanh output through the rest; a checkpointed one saves none
+    capped = c * scores if (_attn_softcap(run) and mode == "none") else 0
+    at_mask = 2 * c * scores + c * s_loc * s_loc + capped
+    at_softmax = c * scores + up + 4 * scores + capped
     moment = imax(at_mask, at_softmax)
     if run.dropout > 0:
-        moment = imax(moment, c * scores + 4 * scores + copy + scores + c * scores)
+        moment = imax(moment, c * scores + 4 * scores + copy + scores + c * scores + capped)
     return where(run.cp > 1, _NEVER, before + moment)
+
+
+def _attn_softcap(run: Run) -> bool:
+    """Gemma 2's attention softcapping (`ModelSpec.attn_softcap`) as Hugging Face's eager attention runs it
+    (modeling_gemma2.py eager_attention_forward: `scores / cap`, `tanh`, `* cap` between the scaling and the mask):
+    tanh saves its output, one more compute-dtype score tensor per layer, c S (S = a/t tok s), freed by its
+    backward after the softmax's. Only under --attention eager: flash-attn (>= 2.6) caps inside the kernel and
+    PyTorch's SDPA (whose math fallback is otherwise an eager core) does not apply it."""
+    return run.model.attn_softcap and run.training.attention == "eager"
 
 
 def _qk_copied(run: Run) -> bool:

@@ -240,6 +240,7 @@ class Attention(nn.Module):
         self.q_norm = _norm(per_head, norm_impl, autocast_fp32=True) if m.qk_norm else None
         self.k_norm = _norm(per_head, norm_impl, autocast_fp32=True) if m.qk_norm else None
         self.cp_group: Any = None  # all-to-all context parallelism (Ulysses) over this group when set
+        self.softcap = 50.0 if m.attn_softcap else 0.0  # Gemma 2's attn_logit_softcapping (its config's), eager only
 
     def _fused_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as views of the fused output (lit-gpt); under GQA k and v are expanded to every query head and
@@ -273,6 +274,11 @@ class Attention(nn.Module):
             v = v.repeat_interleave(self.rep, dim=1)
         s = q.shape[-2]
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.d)
+        if self.softcap:
+            # Gemma 2's eager_attention_forward: each step replaces `scores`, freeing its input
+            scores = scores / self.softcap
+            scores = torch.tanh(scores)
+            scores = scores * self.softcap
         # an additive causal bias (HF's eager path; Megatron's fused kernel masks in place): the add saves nothing,
         # where masked_fill would save a mask per layer
         scores = scores + torch.full((s, s), float("-inf"), dtype=scores.dtype, device=q.device).triu(1)
