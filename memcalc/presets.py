@@ -114,8 +114,10 @@ _HF_GELU = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu"}
 _GEMMA = {"gemma", "gemma2", "gemma3", "gemma3_text"}
 # the model types whose config.json fields this mapping reads in full; others are read by the same field names, with
 # a note that what else their layers do is not modelled
+# Falcon (modeling_falcon.py; the first checkpoints' model types RefinedWebModel, 7B, and RefinedWeb, 40B)
+_FALCON = {"falcon", "refinedwebmodel", "refinedweb"}
 _HF_KNOWN = {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3",
-             "gpt2", "gpt_neox", "gptj", "phi", "phi3", *_GEMMA}
+             "gpt2", "gpt_neox", "gptj", "phi", "phi3", *_GEMMA, *_FALCON}
 
 
 def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
@@ -158,9 +160,24 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
         block = "parallel"
     elif gptj or phi:
         block = "parallel-shared-norm"
+    falcon = mt in _FALCON
+    kv_heads = get("num_key_value_heads", default=heads)
+    if falcon:
+        # FalconDecoderLayer / FalconAttention (modeling_falcon.py, FalconConfig defaults): the new decoder
+        # architecture (40B, 180B; RefinedWeb) has num_kv_heads K/V heads and, with num_ln_in_parallel_attn 2 (its
+        # default), ln_attn and ln_mlp; the original (7B) one input_layernorm for both branches when parallel_attn,
+        # and multi_query's single K/V head; sequential layers have a post_attention_layernorm
+        new_arch = bool(get("new_decoder_architecture", default=mt == "refinedweb"))
+        if new_arch:
+            kv_heads = get("num_kv_heads", "n_head_kv", default=heads)
+            block = "parallel" if get("num_ln_in_parallel_attn", default=2) == 2 else "parallel-shared-norm"
+        else:
+            kv_heads = 1 if get("multi_query", default=True) else heads
+            block = "parallel-shared-norm" if get("parallel_attn", default=True) else "sequential"
     act = str(get("hidden_activation", "hidden_act", "activation_function", default="silu")).lower()
-    gated = mt in _GEMMA or (act not in _HF_GELU and not gpt2 and not neox and not gptj)
-    ffn = get("intermediate_size", "n_inner")
+    # (Falcon's MLP is a plain nn.GELU between dense_h_to_4h and dense_4h_to_h; its config names no activation)
+    gated = mt in _GEMMA or (act not in _HF_GELU and not gpt2 and not neox and not gptj and not falcon)
+    ffn = get("intermediate_size", "n_inner", "ffn_hidden_size")
     if ffn is None:
         ffn = 4 * hidden
     spec: dict[str, Any] = {
@@ -168,17 +185,19 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
         "hidden": hidden,
         "layers": layers,
         "heads": heads,
-        "kv_heads": get("num_key_value_heads", default=heads),
+        "kv_heads": kv_heads,
         "head_dim": get("head_dim", default=hidden // heads),
         "ffn": ffn,
         "vocab": vocab,
         "mlp": "swiglu" if gated else "gelu",
-        "norm": "layernorm" if (gpt2 or neox or gptj or phi) else "rmsnorm",
+        "norm": "layernorm" if (gpt2 or neox or gptj or phi or falcon) else "rmsnorm",
         # phi's every linear has a bias; GPT-J's MLP and LM head do, its q/k/v/out_proj not (linear_bias also
         # gives it an out_proj bias: h parameters per layer too many)
         # Qwen2 and Qwen2-MoE give q, k and v a bias (modeling_qwen2*.py: bias=True), whatever attention_bias says
-        "qkv_bias": bool(gpt2 or neox or phi or mt in ("qwen2", "qwen2_moe") or get("attention_bias", default=False)),
-        "linear_bias": bool(gpt2 or neox or phi or gptj or get("mlp_bias", default=False)),
+        "qkv_bias": bool(gpt2 or neox or phi or mt in ("qwen2", "qwen2_moe") or get("attention_bias", default=False)
+                         or (falcon and get("bias", default=False))),
+        "linear_bias": bool(gpt2 or neox or phi or gptj or get("mlp_bias", default=False)
+                            or (falcon and get("bias", default=False))),
         "head_bias": bool(gptj or phi),
         # Gemma 2/3 (modeling_gemma2.py Gemma2DecoderLayer): post_attention_layernorm and post_feedforward_layernorm
         "post_norms": mt in ("gemma2", "gemma3", "gemma3_text"),
@@ -190,7 +209,7 @@ def model_from_hf_config(cfg: dict[str, Any], where: str) -> ModelSpec:
         # and its attention scores (eager_attention_forward's `softcap`): Gemma2Config's default 50.0
         "attn_softcap": bool(cfg.get("attn_logit_softcapping", 50.0 if mt == "gemma2" else None)),
         "block": block,
-        "tied_embeddings": bool(get("tie_word_embeddings", default=gpt2 or mt in _GEMMA)),
+        "tied_embeddings": bool(get("tie_word_embeddings", default=gpt2 or falcon or mt in _GEMMA)),
         "positions": "learned" if gpt2 else "rotary",
         "max_positions": get("max_position_embeddings", "n_positions", "n_ctx", default=0),
         "dropout": float(get("attention_dropout", "attn_pdrop", "hidden_dropout", default=0.0) or 0.0),
@@ -243,6 +262,10 @@ def _hf_unmodelled(cfg: dict[str, Any], mt: str) -> list[str]:
     if cfg.get("attn_logit_softcapping", 50.0 if mt == "gemma2" else None):
         out.append("attn_logit_softcapping: needs --attention eager (modelled: its tanh saves the scores once more) "
                    "or flash-attn >= 2.6 (inside the kernel); PyTorch's SDPA kernels do not apply it")
+    if cfg.get("alibi"):
+        out.append("alibi (falcon-rw): ALiBi's per-head position bias has no parameters and is modelled as rotary "
+                   "positions (their small cos/sin tables); Hugging Face runs it through SDPA with a bias mask, "
+                   "where flash-attn would need alibi_slopes")
     if mt and mt not in _HF_KNOWN:
         out.append(f"model_type {mt!r} is read by the field names of Llama, GPT-2 and GPT-NeoX configs; whatever "
                    "else its layers hold is not modelled (check the parameter count against the model card)")

@@ -391,3 +391,46 @@ def test_model_from_a_checkpoint_directory_or_the_hub_cache(tmp_path, monkeypatc
     assert "huggingface-cli download Qwen/Qwen2.5-7B config.json" in err
     code, _, err = cli("estimate", "--model", str(tmp_path))
     assert code == 2 and "is a directory without a config.json" in err
+
+
+def test_hf_config_falcon_layouts():
+    """Falcon's configs (transformers FalconConfig, modeling_falcon.py), by hand:
+    - Falcon-7B (multi_query, parallel_attn, one input_layernorm): per layer query_key_value 4544 x (71 + 2) x 64 =
+      21,229,568, dense 4544^2 = 20,647,936, MLP 2 x 4544 x 18176 = 165,183,488, one LayerNorm 2 x 4544 = 9,088:
+      207,070,080; x 32 = 6,626,242,560 + embedding 65024 x 4544 = 295,469,056 (the head tied) + final LayerNorm
+      9,088 = 6,921,720,704. The first checkpoint's RefinedWebModel config (n_layer, n_head) reads the same.
+    - Falcon-40B (new_decoder_architecture: 8 K/V heads, ln_attn and ln_mlp): 8192 x (128 + 16) x 64 = 75,497,472
+      + 8192^2 = 67,108,864 + 2 x 8192 x 32768 = 536,870,912 + 4 x 8192 = 32,768 -> 679,510,016; x 60 =
+      40,770,600,960 + 65024 x 8192 = 532,676,608 + 16,384 = 41,303,293,952.
+    - falcon-rw-1b (sequential, MHA, biases, ALiBi): read as such, ALiBi named in the notes."""
+    from memcalc.presets import model_from_hf_config
+
+    f7 = {"model_type": "falcon", "hidden_size": 4544, "num_hidden_layers": 32, "num_attention_heads": 71,
+          "multi_query": True, "parallel_attn": True, "new_decoder_architecture": False, "bias": False,
+          "vocab_size": 65024, "alibi": False}
+    s = model_from_hf_config(f7, "x")
+    assert (s.kv_heads, s.head_dim, s.block, s.norm, s.mlp, s.ffn, s.tied_embeddings, s.qkv_bias, s.linear_bias) == (
+        1, 64, "parallel-shared-norm", "layernorm", "gelu", 18176, True, False, False)
+    layer = 4544 * 73 * 64 + 4544 ** 2 + 2 * 4544 * 18176 + 2 * 4544
+    assert layer == 207_070_080
+    assert total_params(s) == 32 * layer + 65024 * 4544 + 2 * 4544 == 6_921_720_704
+    assert not s.notes
+    old = {"model_type": "RefinedWebModel", "hidden_size": 4544, "n_layer": 32, "n_head": 71, "multi_query": True,
+           "parallel_attn": True, "bias": False, "vocab_size": 65024}
+    assert total_params(model_from_hf_config(old, "x")) == 6_921_720_704
+    f40 = {"model_type": "falcon", "hidden_size": 8192, "num_hidden_layers": 60, "num_attention_heads": 128,
+           "num_kv_heads": 8, "new_decoder_architecture": True, "parallel_attn": True, "bias": False,
+           "vocab_size": 65024}
+    s = model_from_hf_config(f40, "x")
+    assert (s.kv_heads, s.block) == (8, "parallel")
+    layer = 8192 * 144 * 64 + 8192 ** 2 + 2 * 8192 * 32768 + 4 * 8192
+    assert layer == 679_510_016
+    assert total_params(s) == 60 * layer + 65024 * 8192 + 2 * 8192 == 41_303_293_952
+    old40 = {"model_type": "RefinedWeb", "hidden_size": 8192, "n_layer": 60, "n_head": 128, "n_head_kv": 8,
+             "parallel_attn": True, "bias": False, "vocab_size": 65024}
+    assert total_params(model_from_hf_config(old40, "x")) == 41_303_293_952
+    rw = {"model_type": "falcon", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
+          "multi_query": False, "parallel_attn": False, "bias": True, "vocab_size": 50304, "alibi": True}
+    s = model_from_hf_config(rw, "x")
+    assert (s.kv_heads, s.block, s.qkv_bias, s.linear_bias) == (32, "sequential", True, True)
+    assert "alibi" in " ".join(s.notes)
