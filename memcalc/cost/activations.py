@@ -1617,12 +1617,13 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed
             # the re-run value matmul's saved V repetition (which the caller adds) is freed by its backward
             at_softmax = at_softmax - terms["v"]
         moment = imax(at_matmul, at_softmax)
-        if run.dropout > 0 and _fp32_core_inputs(run):
+        if run.dropout > 0:
             # fp32 probabilities (`_fp32_core_inputs`): the value matmul's gradient of its compute-dtype cast is
             # upcast (4 S) and dropout's backward makes its fp32 gradient (4 S) while the mask and the softmax
             # output are still saved; the matmul's saved cast is freed. Measured by the harness
             mask = terms.get("attn_dropout_mask", 0)
-            moment = imax(moment, 8 * scores - after - (core_but_softmax - mask))
+            at_dropout = 8 * scores - after - (core_but_softmax - mask)
+            moment = where(_fp32_core_inputs(run) == 1, imax(moment, at_dropout), moment)
     if m.block == "parallel-shared-norm":
         # the MLP branch's backward ran first and left its input's gradient in the shared norm's input buffer,
         # where it waits for Q/K/V's (the norm output's dtype, that of the stream)
@@ -1711,13 +1712,14 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
             # still referenced beside them
             before = before + c * tok * m.head_dim * (heads + (kv if m.kv_heads == m.heads else 0))
     before = before + originals
-    if mode == "none" and _fp32_core_inputs(run):
+    f32 = _fp32_core_inputs(run)  # 1 or 0 (an array of them in plan's bulk evaluation)
+    if mode == "none":
         # q/k norms under AMP return fp32 (`qk_norm`), so rotary's q and k are fp32: the score matmul saves its
         # autocast casts (the `q`, `k` terms) while the fp32 tensors stay referenced by the attention's forward,
         # under GQA with K's fp32 repetition (the `originals` counted K in the compute dtype). Measured by the harness
         q32 = 4 * tok * m.head_dim * heads
         k32 = 4 * tok * m.head_dim * kv if m.kv_heads == m.heads else (4 - c) * tok * m.head_dim * kv + q32
-        before = before + q32 + k32
+        before = before + f32 * (q32 + k32)
     up = 0 if c == 4 else 4 * scores  # softmax(dtype=float32)'s upcast of compute-dtype scores
     copy = 0 if c == 4 else c * scores  # `.to(dtype)` of the fp32 probabilities
     # softcapping (`_attn_softcap`): divide, tanh and multiply each beside the previous tensor (2 c S, as the
@@ -1728,22 +1730,23 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
     moment = imax(at_mask, at_softmax)
     if run.dropout > 0:
         dropped = c * scores + 4 * scores + copy + scores + c * scores + capped
-        if mode == "none" and _fp32_core_inputs(run):
+        if mode == "none":
             # fp32 q: `.to(q.dtype)` keeps the fp32 probabilities (no copy), dropout's output is fp32 and the value
             # matmul's autocast cast of it (c S, the saved `attn_dropout_output`) is made beside it (a checkpointed
             # core's no-grad forward frees the probabilities' references sooner: as before, measured)
-            dropped = c * scores + 4 * scores + scores + 4 * scores + c * scores + capped
+            dropped = where(f32 == 1, c * scores + 4 * scores + scores + 4 * scores + c * scores + capped, dropped)
         moment = imax(moment, dropped)
     return where(run.cp > 1, _NEVER, before + moment)
 
 
-def _fp32_core_inputs(run: Run) -> bool:
+def _fp32_core_inputs(run: Run) -> Num:
     """Hugging Face's eager attention under torch AMP with q/k norms: the norms return fp32 (`qk_norm`), so q and k
     reach the core in fp32, the score matmul casts them (its saved `q`, `k`), and `softmax(dtype=float32).to(q.dtype)`
     leaves the probabilities in fp32 (HF's Qwen3RMSNorm and Gemma3RMSNorm return fp32 there as well: an fp32
-    weight times the normalized tensor)."""
-    return (run.model.qk_norm and run.training.attention == "eager" and run.profile == "torch"
-            and bool(_autocast(run)))
+    weight times the normalized tensor). 1 or 0 (`_autocast`'s, elementwise)."""
+    if not (run.model.qk_norm and run.training.attention == "eager" and run.profile == "torch"):
+        return 0
+    return _autocast(run)
 
 
 def _attn_softcap(run: Run) -> bool:
