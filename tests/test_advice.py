@@ -26,6 +26,8 @@ CASES = [
     # which a2a cannot shard over cp 2, so it must not be suggested
     ("--model", "llama-3-70b", "--profile", "megatron", "--gpus", "64", "--tp", "4", "--cp", "2", "--pp", "4",
      "--cp-comm", "a2a", "--seq", "32768", "--zero", "1", "--loss", "fused", "--gpu", "b200"),
+    # Gemma 2 on Hugging Face's eager attention (which its softcapped scores need without flash-attn >= 2.6)
+    ("--model", "gemma-2-9b", "--attention", "eager", "--gpus", "8", "--zero", "3"),
 ]
 
 
@@ -155,3 +157,19 @@ def test_nothing_stacked_when_it_fits_or_when_nothing_gets_there():
     code, out, _ = cli("estimate", *args)
     assert code == 0 and "`memcalc plan` with this model, --gpus 1 and --global-batch 1 searches every layout" in (
         " ".join(out.split()))
+
+
+def test_eager_attention_is_told_about_a_fused_kernel():
+    """Gemma-2-9B under eager attention, FSDP2 ZeRO-3 over 8 H100s, seq 4096: each layer keeps s x s scores (the fp32
+    softmax, its bf16 copy and the softcap's tanh output: (4 + 2 + 2) x 16 heads x 4096^2 = 2 GiB a layer, 84 GiB in
+    all); flash keeps none of them, so `--attention flash` fits, and its label names the kernel that softcaps."""
+    mem = cli_json("estimate", *CASES[-1])["memory"]
+    assert not mem["fits"]
+    flash = next(a for a in mem["advice"] if a["flags"] == "--attention flash")
+    assert flash["fits_after"] and "flash-attn >= 2.6" in flash["change"]
+    assert flash["saves_bytes"] > 42 * 8 * 16 * 4096**2 == 84 * 2**30
+    # a model without softcapping is pointed at SDPA too
+    mem = cli_json("estimate", "--model", "llama-3.1-8b", "--attention", "eager", "--seq", "8192", "--gpus", "8",
+                   "--zero", "3")["memory"]
+    label = next(a["change"] for a in mem["advice"] if a["flags"] == "--attention flash")
+    assert "SDPA" in label

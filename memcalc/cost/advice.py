@@ -68,6 +68,12 @@ def _candidates(run: Run) -> Iterator[Change]:
             return r.replace(training=t2, recipe=_recipe(r.profile, t2))  # the recipe as resolve() derives it
 
         yield ("fused optimizer step (torch fused=True)", "--optimizer-impl fused", fused)
+    if t.attention == "eager":
+        # a fused attention kernel keeps no s x s tensor, only its log-sum-exp (Dao et al. 2022), and is faster;
+        # softcapped scores (Gemma 2) need flash-attn >= 2.6, which caps inside the kernel
+        kernel = "flash-attn >= 2.6, which softcaps in the kernel" if run.model.attn_softcap else "SDPA / flash-attn"
+        yield (f"fused attention kernel ({kernel})", "--attention flash",
+               lambda r: r.replace(training=r.training.model_copy(update={"attention": "flash"})))
     if t.recompute == "none":
         yield ("selective recompute", "--recompute selective",
                lambda r: r.replace(training=r.training.model_copy(update={"recompute": "selective"})))
