@@ -86,3 +86,24 @@ def test_deepseek_shaped_training_step(opts):
     assert abs(rep["error"]) < 0.001, rep["error"]
     for k in ("params", "grads", "optimizer"):
         assert rep["measured"]["model_states"][k] == rep["predicted"]["model_states"][k]
+
+
+@pytest.mark.parametrize("q_rank", [0, 48])
+def test_fused_latent_norms_under_amp_run_in_fp32(q_rank):
+    """A fused latent RMSNorm under torch AMP runs in fp32, as CUDA's autocast runs rms_norm (the harness's CPU norm
+    casts as it does): it saves an fp32 cast of the latent instead of the split view, and the up projection saves
+    the cast back. kv latent 32 wide (its view 32 + 8), 256 tokens, bf16: 4 x 256 x 32 + 4 x 256 (rstd) +
+    2 x 256 x 32 = 50,176 B, where without autocast 2 x 256 x 40 + 4 x 256 + 2 x 256 x 32 = 37,888. Two whole
+    steps, every phase within 256 bytes of the measurement."""
+    from memcalc.cost.activations import layer_terms
+
+    m = _model(q_rank, layers=2)
+    amp = resolve(m, TrainingSpec(seq=256, precision="bf16"), ParallelSpec(gpus=1), HW, "torch")
+    pure = resolve(m, TrainingSpec(seq=256, precision="bf16", master_weights=False), ParallelSpec(gpus=1), HW,
+                   "torch")
+    assert layer_terms(amp)["mla_kv_latent"] == 4 * 256 * 32 + 4 * 256 + 2 * 256 * 32 == 50_176
+    assert layer_terms(pure)["mla_kv_latent"] == 2 * 256 * 40 + 4 * 256 + 2 * 256 * 32 == 37_888
+    rep = validate(amp, device="cpu", world="real", tolerance=0.03, timeout=120)
+    for r in rep["rows"]:
+        if r["section"] == "phases":
+            assert abs(r["predicted"] - r["measured"]) <= 256, r

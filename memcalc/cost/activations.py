@@ -265,11 +265,14 @@ def _latent_norm(run: Run, c: int, tok: Num, w: int, whole: int | None = None) -
     product the up projection saves. A fused norm otherwise: input + stats + output.
     `whole`: HF's kv latent is a `split` view of the down projection's output (kv_lora_rank + qk_rope_dim wide), so
     a norm that saves its input as given (fused, or the fp32 form in fp32, where `.float()` returns the input
-    itself) keeps that whole output alive (measured: docs/validation.md, the MLA rows)."""
+    itself) keeps that whole output alive (measured: docs/validation.md, the MLA rows). A fused norm under torch
+    AMP runs in fp32 (CUDA's autocast, as for the post norms: `_output_norm_saved`): it saves an fp32 cast of the
+    latent, not the view, and returns fp32, which the up projection casts back and saves."""
     whole = w if whole is None or run.profile == "megatron" else whole
     if run.profile != "megatron" and run.training.norm_impl == "fp32":
         return 4 * tok * (whole if c == 4 else w) + 4 * tok + 2 * c * tok * w
-    return c * tok * whole + c * tok * w + 4 * tok
+    fused = c * tok * whole + c * tok * w + 4 * tok
+    return where(_autocast(run) == 1, 4 * tok * w + c * tok * w + 4 * tok, fused)
 
 
 def _mla_terms(run: Run, out: dict[str, Num]) -> None:

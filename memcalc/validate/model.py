@@ -382,12 +382,12 @@ class LatentAttention(nn.Module):
         qk = self.nope + self.rope
         if x.q_lora_rank:
             self.q_a = nn.Linear(h, x.q_lora_rank, bias=False)
-            self.q_norm = _norm(m.model_copy(update={"hidden": x.q_lora_rank}), norm_impl)
+            self.q_norm = _norm(m.model_copy(update={"hidden": x.q_lora_rank}), norm_impl, autocast_fp32=True)
             self.q_b = nn.Linear(x.q_lora_rank, a * qk, bias=False)
         else:
             self.q = nn.Linear(h, a * qk, bias=False)
         self.kv_a = nn.Linear(h, self.rank + self.rope, bias=False)
-        self.kv_norm = _norm(m.model_copy(update={"hidden": self.rank}), norm_impl)
+        self.kv_norm = _norm(m.model_copy(update={"hidden": self.rank}), norm_impl, autocast_fp32=True)
         self.kv_b = nn.Linear(self.rank, a * (self.nope + self.v_dim), bias=False)
         self.o = nn.Linear(a * self.v_dim, h, bias=False)
         self.cp_group: Any = None
