@@ -48,6 +48,7 @@ MODEL_OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "qk_norm": bool,
     "final_logit_softcap": bool,  # the head's output softcapped (Gemma 2): activations only, no parameters
     "attn_softcap": bool,  # the attention scores softcapped (Gemma 2): activations only
+    "notes": list,  # what the model does that memcalc leaves to the user's choices, shown with the estimate
     "block": str,
     "moe": dict,
     "mla": dict,
