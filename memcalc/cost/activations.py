@@ -1682,7 +1682,8 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
     - the softmax: the masked scores, their fp32 upcast (none when they are fp32) and the fp32 output ((c + 8) S,
       or 8 S in fp32);
     - with dropout, its bool mask and output beside the scores, the softmax output and its compute-dtype copy
-      ((3 c + 5) S; 13 S in fp32, where the copy is the output itself).
+      ((3 c + 5) S; 13 S in fp32, where the copy is the output itself); without grad (a checkpointed core) the
+      scores, the copy, the mask and the output ((3 c + 1) S).
     Beside them, the projections' Q and K (and V under GQA), which the matmuls copy or repeat.
     Derived from the op order and measured by the harness (tests/test_validate_attention.py). `_NEVER` for
     flash, Megatron (fused softmax), MLA, context parallelism."""
@@ -1732,12 +1733,19 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
     at_softmax = c * scores + up + 4 * scores + capped
     moment = imax(at_mask, at_softmax)
     if run.dropout > 0:
-        dropped = c * scores + 4 * scores + copy + scores + c * scores + capped
         if mode == "none":
-            # fp32 q: `.to(q.dtype)` keeps the fp32 probabilities (no copy), dropout's output is fp32 and the value
-            # matmul's autocast cast of it (c S, the saved `attn_dropout_output`) is made beside it (a checkpointed
-            # core's no-grad forward frees the probabilities' references sooner: as before, measured)
+            # with autograd: the scores, the softmax output and its copy are saved or referenced beside dropout's
+            # mask and output; fp32 q (`_fp32_core_inputs`): `.to(q.dtype)` keeps the fp32 probabilities (no
+            # copy), dropout's output is fp32 and the value matmul's autocast cast of it (c S, the saved
+            # `attn_dropout_output`) is made beside it
+            dropped = c * scores + 4 * scores + copy + scores + c * scores + capped
             dropped = where(f32 == 1, c * scores + 4 * scores + scores + 4 * scores + c * scores + capped, dropped)
+        else:
+            # a checkpointed core runs without grad: nothing is saved, so the fp32 softmax output is freed by its
+            # `.to(dtype)` copy, and dropout's input is the copy (in fp32 training the output itself): the scores,
+            # that input, the bool mask and the output, (3c + 1) S; with fp32 q the fp32 probabilities themselves
+            # and an fp32 output, (c + 9) S. Measured: at (3c + 5) S the forward phase was 6-9% over (2 layers)
+            dropped = where(f32 == 1, c * scores + 4 * scores + scores + 4 * scores, (3 * c + 1) * scores)
         moment = imax(moment, dropped)
     return where(run.cp > 1, _NEVER, before + moment)
 
