@@ -1701,7 +1701,8 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
         # a checkpointed layer: its saved input, and its norm output, Q, K, V as locals (the matmuls' copies of Q
         # and K^T are freed with the matmul when nothing saves them)
         plain = layer_terms(run, "none")
-        before = sum(terms.values()) + sum(plain.get(k, 0) for k in ("qkv_input", "q", "k", "v", "qkv_fused_buffer"))
+        before = sum(terms.values()) + sum(plain.get(k, 0) for k in ("q", "k", "v", "qkv_fused_buffer"))
+        before = before + _stream_bytes(run, c) * tok * m.hidden
     elif mode == "selective":
         # the core runs checkpointed: its inputs Q, K, V are saved (`terms`), the matmuls' copies are not kept, and
         # under GQA the repetitions of K and V are its locals
