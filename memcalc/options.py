@@ -256,29 +256,20 @@ def _buffer_knob(o: RunOptions, field: str) -> Any:
 
 def _shape_choices(o: RunOptions) -> dict[str, Any]:
     """ModelSpec fields set by the shape-choice flags (--mlp, --norm, --tied-embeddings, --positions, --bias,
-    --qkv-bias, --head-bias, --block, --max-positions)."""
+    --qkv-bias, --head-bias, --post-norms, --qk-norm, --logit-softcap, --attn-softcap, --block, --max-positions)."""
     out: dict[str, Any] = {}
     for field in ("mlp", "norm", "positions", "block"):
         v = check_choice(field, getattr(o, field))
         if v is not None:
             out[field] = v
-    if o.tied_embeddings is not None:
-        out["tied_embeddings"] = o.tied_embeddings
     if o.bias is not None:
-        out["linear_bias"] = o.bias
-        out["qkv_bias"] = o.bias
-    if o.qkv_bias is not None:
-        out["qkv_bias"] = o.qkv_bias
-    if o.head_bias is not None:
-        out["head_bias"] = o.head_bias
-    if o.post_norms is not None:
-        out["post_norms"] = o.post_norms
-    if o.qk_norm is not None:
-        out["qk_norm"] = o.qk_norm
-    if o.final_logit_softcap is not None:
-        out["final_logit_softcap"] = o.final_logit_softcap
-    if o.attn_softcap is not None:
-        out["attn_softcap"] = o.attn_softcap
+        out["linear_bias"] = out["qkv_bias"] = o.bias
+    # the on/off flags that set the model field of their name (--qkv-bias after --bias, which sets it too)
+    for field in ("tied_embeddings", "qkv_bias", "head_bias", "post_norms", "qk_norm", "final_logit_softcap",
+                  "attn_softcap"):
+        v = getattr(o, field)
+        if v is not None:
+            out[field] = v
     if o.max_positions is not None:
         check_positive("--max-positions", o.max_positions)
         out["max_positions"] = o.max_positions
