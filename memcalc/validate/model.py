@@ -11,10 +11,11 @@ Op by op (what autograd saves is what the activation model must count; see docs/
   DeepseekV3Attention) in place of q/k/v/o; a parallel block (`ModelSpec.block`) returns mlp(n2) + attn(n1) + x
   with n2 = norm2(x), or n1 itself when the norm is shared (GPT-NeoX / lit-gpt order);
   with `post_norms` (Gemma 2/3) the attention's and the MLP's outputs each pass a norm before their residual add;
+  with `attn_softcap` (Gemma 2) the eager scores pass tanh(x / 50) * 50 before the mask;
   dropout (when > 0, CUDA's native_dropout with its bool mask on every device) after o, after the MLP and on the
   attention probabilities;
-- final norm, LM head (tied: shares `tok.weight`), logits in the compute dtype; the loss upcasts them to fp32
-  (`loss_fn`).
+- final norm, LM head (tied: shares `tok.weight`), logits in the compute dtype (with `final_logit_softcap`, Gemma
+  2's tanh(x / 30) * 30); the loss upcasts them to fp32 (`loss_fn`).
 q/k/v and gate/up are separate matrices so that DTensor's ColwiseParallel shards each along its output features;
 the attention reshapes use -1 for the head count so that the same code runs on a TP shard.
 """
