@@ -1717,6 +1717,10 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
             # still referenced beside them
             before = before + c * tok * m.head_dim * (heads + (kv if m.kv_heads == m.heads else 0))
     before = before + originals
+    if mode in ("none", "selective"):
+        # under autocast the norm's output is fp32 and the q/k/v projections save their own casts of it
+        # (`qkv_input`): the fp32 output stays referenced by the attention's forward beside them
+        before = before + _autocast(run) * 4 * tok * m.hidden
     f32 = _fp32_core_inputs(run)  # 1 or 0 (an array of them in plan's bulk evaluation)
     if mode == "none":
         # q/k norms under AMP return fp32 (`qk_norm`), so rotary's q and k are fp32: the score matmul saves its
@@ -1738,9 +1742,10 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
             # with autograd: the scores, the softmax output and its copy are saved or referenced beside dropout's
             # mask and output; fp32 q (`_fp32_core_inputs`): `.to(q.dtype)` keeps the fp32 probabilities (no
             # copy), dropout's output is fp32 and the value matmul's autocast cast of it (c S, the saved
-            # `attn_dropout_output`) is made beside it
+            # `attn_dropout_output`) is made beside it, and the matmul's output (c tok a/t d) beside them all
             dropped = c * scores + 4 * scores + copy + scores + c * scores + capped
-            dropped = where(f32 == 1, c * scores + 4 * scores + scores + 4 * scores + c * scores + capped, dropped)
+            at_value = (c + 4 + 1 + 4 + c) * scores + capped + c * tok * heads * m.head_dim
+            dropped = where(f32 == 1, at_value, dropped)
         else:
             # a checkpointed core runs without grad: nothing is saved, so the fp32 softmax output is freed by its
             # `.to(dtype)` copy, and dropout's input is the copy (in fp32 training the output itself): the scores,

@@ -388,6 +388,16 @@ def amp_casts_after_last_mlp(run: Run, stage: Num, casts: Num) -> tuple[Num, Num
     return where(own, c * (down + head), 0), where(own, c * head, 0)
 
 
+def amp_casts_after_last_core(run: Run, stage: Num, casts: Num) -> Num:
+    """Of the forward's autocast copies (`_amp_casts`, `casts` bytes on this stage), those not yet made at the stage's
+    last layer's attention core (its eager forward moment, `activations.eager_attention_forward`): that layer's
+    output projection and MLP and, on the last stage, the LM head. Without pipelining only, as
+    `amp_casts_after_last_mlp`. Measured by the harness (tests/test_validate_attention.py)."""
+    head = where(stage == run.pp - 1, scaled(run, head_params(run.model, run.profile, run.tp)), 0)
+    own = (casts > 0) & (run.pp == 1)
+    return where(own, DTYPE_BYTES[run.recipe.compute_dtype] * (after_core_layer_elems(run)[0] + head), 0)
+
+
 def amp_head_cast_freed(run: Run) -> Num:
     """Of `_amp_casts`' saved copies, the LM head's (its weight and bias), which the head's backward frees before
     any layer's backward moment; 0 where the head is frozen or quantized. Measured: docs/validation.md rows

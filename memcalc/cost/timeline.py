@@ -31,6 +31,7 @@ from typing import Any
 
 from memcalc.cost.activations import _NEVER, loop_holds_graph, mixed_layers, stage_activations
 from memcalc.cost.buffers import (
+    amp_casts_after_last_core,
     amp_casts_after_last_mlp,
     amp_casts_freed_at_attention,
     amp_head_cast_freed,
@@ -182,6 +183,9 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
     for ph, pending in zip(("forward_mlp", "forward_down"), amp_casts_after_last_mlp(run, stage, casts)):
         at[ph] = at.get("forward_layer_end", 0) - pending
         side_at[ph] = side_at.get("forward_layer_end", 0)
+    # and at its eager attention core: its output projection, MLP and the LM head not yet cast
+    at["forward_attention"] = at.get("forward_layer", 0) - amp_casts_after_last_core(run, stage, casts)
+    side_at["forward_attention"] = side_at.get("forward_layer", 0)
     grads = s.grads + s.grads_fp32
     first_grads, shares = _first_grads(run, stage), _layer_shares(run, stage)
     phases = _phases(run, s, act, at, grads, first_grads, shares)
@@ -360,7 +364,7 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         moment(later_fwd_g, act.forward_bytes + f_prev, buf("forward")),
         moment(later_fwd_g, act.forward_head_bytes + f_prev - old_logits, buf("forward_head")),
         moment(later_fwd_g, act.forward_layer_bytes + f_prev - old_logits, buf("forward_layer")),
-        moment(later_fwd_g, act.forward_attention_bytes + f_prev - old_logits, buf("forward_layer")),
+        moment(later_fwd_g, act.forward_attention_bytes + f_prev - old_logits, buf("forward_attention")),
         # (inside the stage's last layer: FSDP2 prefetches no further unit there)
         moment(later_fwd_g, act.forward_checkpointed_mlp_bytes + f_prev - old_logits, buf("forward_mlp")),
         moment(later_fwd_g, act.forward_checkpointed_down_bytes + f_prev - old_logits, buf("forward_down")),
