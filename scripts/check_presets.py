@@ -58,7 +58,7 @@ MOE_OPTIONAL: dict[str, type] = {"first_dense_layers": int}
 MLA_REQUIRED: dict[str, type] = {"kv_lora_rank": int, "qk_nope_dim": int, "qk_rope_dim": int, "v_head_dim": int}
 MLA_OPTIONAL: dict[str, type] = {"q_lora_rank": int}
 CHOICES = {
-    "family": {"llama", "gpt2", "gpt3", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "deepseek", "phi",
+    "family": {"llama", "gpt2", "gpt3", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "falcon", "deepseek", "phi",
                "gpt-neox"},
     "mlp": {"swiglu", "gelu"},
     "norm": {"rmsnorm", "layernorm"},

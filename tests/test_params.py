@@ -429,6 +429,9 @@ def test_hf_config_falcon_layouts():
     old40 = {"model_type": "RefinedWeb", "hidden_size": 8192, "n_layer": 60, "n_head": 128, "n_head_kv": 8,
              "parallel_attn": True, "bias": False, "vocab_size": 65024}
     assert total_params(model_from_hf_config(old40, "x")) == 41_303_293_952
+    # and the presets, from the same fields
+    assert total_params(load_model("falcon-7b")) == 6_921_720_704
+    assert total_params(load_model("falcon-40b")) == 41_303_293_952
     rw = {"model_type": "falcon", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
           "multi_query": False, "parallel_attn": False, "bias": True, "vocab_size": 50304, "alibi": True}
     s = model_from_hf_config(rw, "x")
