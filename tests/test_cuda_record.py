@@ -211,7 +211,9 @@ REPLAY_BAR = {1: 0.0, 2: 0.0, 5: 0.0, 7: 0.0, 12: 0.0, 14: 0.0, 15: 0.0, 3: 0.01
 REPLAY_MISSES = {
     20: "+18.7%: one 8 GiB segment more than the GPU reserved; where CUDA's softmax backward places its scratch "
         "(model._CudaSoftmax allocates it before the gradient) is not known",
-    13: "+13.4%: FSDP2 x tensor parallelism over the fake process group; not attributed",
+    13: "+13.4%: FSDP2 x tensor parallelism over the fake process group: the first optimizer step's Adam moments "
+        "fill the activation segments and the second step cuts them afresh (+2.24 GiB, 8.68 -> 10.92); on the H100 "
+        "they did not, perhaps because blocks a collective still used were not free yet (not confirmed)",
 }
 
 
