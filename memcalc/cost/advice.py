@@ -54,9 +54,10 @@ def _candidates(run: Run) -> Iterator[Change]:
         # no `loss` kept past backward (a bitsandbytes graph's held inputs go with it: `graph_held_layer_bytes`)
         yield ("the loop drops its logits before backward and its loss after (del logits, loss)", drop.strip(),
                lambda r: r.replace(training=r.training.model_copy(update={"keep_logits": "none"})))
-    if t.loss in ("full", "chunked-eager"):
+    if t.loss in ("full", "chunked-eager") and not run.model.final_logit_softcap:
         # a compiled chunked cross-entropy (torchtune CEWithChunkedOutputLoss + compile) keeps the compute-dtype
-        # logits instead of their fp32 log-softmax: no extra compute
+        # logits instead of their fp32 log-softmax: no extra compute (not offered where the model's own forward
+        # softcaps the logits, which only --loss full models: resolve() refuses the pair)
         yield ("chunked cross-entropy, compiled", "--loss chunked" + drop,
                lambda r: r.replace(training=r.training.model_copy(update={"loss": "chunked",
                                                                           "keep_logits": "none"})))
