@@ -263,3 +263,60 @@ def test_planner_names():
         assert callable(getattr(compute, name))
     r = make(LLAMA7B, dp=8, tp=1)
     assert compute.mfu(r) == compute.achieved_mfu(r) == pytest.approx(estimate(r, advice=False).compute.mfu)
+
+
+# ------------------------------------------------------------------------------------------ eager attention
+
+GEMMA_LIKE = ModelSpec(name="eager-test", hidden=3584, layers=42, heads=16, kv_heads=8, head_dim=256, ffn=14336,
+                       vocab=256000, mlp="swiglu", norm="rmsnorm", positions="rotary", max_positions=8192)
+H100_BW = H100.model_copy(update={"hbm_bytes_per_s": 3.35e12})
+
+
+def test_eager_score_bytes_count_the_passes():
+    """HBM bytes per score element, one read or write per pass (compute.eager_score_bytes), bf16 (c = 2):
+    Hugging Face's eager core, forward: matmul writes c, scaling 2c, mask 2c, softmax(fp32) c + 4, .to(bf16) 4 + c,
+    value matmul reads c = 8c + 8 = 24; backward: 2c (value matmul) + c + 4 (cast) + 8 + c (softmax) + 2c (scaling)
+    + 2c (score matmuls) = 8c + 12 = 28. fp32: 8c = 32 and 9c = 36. Megatron's fused softmax: 4c = 8 and 7c = 14.
+    Dropout adds 2c + 1 = 5 each way; Gemma 2's softcap 6c = 12 forward and 7c = 14 backward."""
+    base = dict(gpus=8, seq=4096, micro_batch=1, attention="eager")
+    assert compute.eager_score_bytes(make(GEMMA_LIKE, "torch", precision="bf16", **base)) == (24, 28)
+    assert compute.eager_score_bytes(make(GEMMA_LIKE, "torch", precision="fp32", **base)) == (32, 36)
+    assert compute.eager_score_bytes(make(GEMMA_LIKE, "megatron", precision="bf16", **base)) == (8, 14)
+    assert compute.eager_score_bytes(make(GEMMA_LIKE, "torch", precision="bf16", dropout=0.1, **base)) == (29, 33)
+    capped = GEMMA_LIKE.model_copy(update={"attn_softcap": True})
+    assert compute.eager_score_bytes(make(capped, "torch", precision="bf16", **base)) == (36, 42)
+    # a fused kernel makes no pass over an s x s tensor
+    assert compute.eager_score_bytes(make(GEMMA_LIKE, "torch", precision="bf16", gpus=8, seq=4096)) == (0, 0)
+
+
+def test_eager_attention_time_by_hand():
+    """8 GPUs, ZeRO-3, global batch 8 x 4096 tokens, 42 layers of 16 heads, full recompute, bf16 on 3.35 TB/s:
+    8 sequences x 16 x 4096^2 scores x (42 x (24 + 28) + 42 x 24 recomputed) B / (8 x 3.35e12 B/s) = 0.2558 s per
+    GPU, which is what eager adds to the compute time of the same run with a fused kernel."""
+    kw = dict(gpus=8, zero=3, seq=4096, micro_batch=1, precision="bf16", recompute="full")
+    eager = make(GEMMA_LIKE, "torch", hw=H100_BW, attention="eager", **kw)
+    flash = make(GEMMA_LIKE, "torch", hw=H100_BW, **kw)
+    want = 8 * 16 * 4096**2 * (42 * (24 + 28) + 42 * 24) / (8 * 3.35e12)
+    assert want == pytest.approx(0.2558, abs=1e-4)
+    assert compute.eager_attention_seconds(eager) == pytest.approx(want, rel=1e-12)
+    assert compute.compute_seconds(eager) - compute.compute_seconds(flash) == pytest.approx(want, rel=1e-9)
+    # selective recompute re-runs the core of every layer too: the same passes; without recompute, none again
+    sel = make(GEMMA_LIKE, "torch", hw=H100_BW, attention="eager", **{**kw, "recompute": "selective"})
+    assert compute.eager_attention_seconds(sel) == pytest.approx(want, rel=1e-12)
+    none = make(GEMMA_LIKE, "torch", hw=H100_BW, attention="eager", **{**kw, "recompute": "none"})
+    assert compute.eager_attention_seconds(none) == pytest.approx(want * 52 / 76, rel=1e-12)
+    # no bandwidth in the preset: not timed (and said in the notes), not guessed
+    assert compute.eager_attention_seconds(make(GEMMA_LIKE, "torch", attention="eager", **kw)) == 0
+    assert any("not timed" in n for n in compute.compute_notes(make(GEMMA_LIKE, "torch", attention="eager", **kw)))
+
+
+def test_fused_attention_advice_is_faster():
+    """An eager run is told about a fused kernel with the throughput it gains (it used to read +0%)."""
+    from memcalc.options import RunOptions, build_run
+
+    run = build_run(RunOptions(model="gemma-2-9b", gpus=8, zero=3, seq=4096, attention="eager"))
+    est = estimate(run)
+    flash = next(a for a in est.memory.advice if a.flags == "--attention flash")
+    now = est.compute.tokens_per_second / run.gpus
+    assert flash.tokens_per_second_per_gpu_after > 1.3 * now
+    assert est.compute.eager_attention_seconds > 0

@@ -204,13 +204,71 @@ def flops_per_step(run: Run) -> Num:
 # ---------------------------------------------------------------------------------------------------- time
 
 
+def eager_score_bytes(run: Run) -> tuple[int, int]:
+    """(forward, backward) bytes of HBM traffic per element of an eager attention core's s x s scores: one read or
+    write of the whole tensor per pass, each pass a kernel of its own (0, 0 where the core is fused).
+
+    Hugging Face's eager attention (the torch and DeepSpeed profiles; transformers models/llama/modeling_llama.py
+    `eager_attention_forward`; SDPA's math fallback runs the same passes), c = compute-dtype bytes:
+    - forward: `q @ k^T` writes the scores (c); `* scaling` and `+ causal_mask` each read and write them (2c + 2c;
+      the mask, broadcast over the heads, is not counted); `softmax(dtype=float32)` reads them and writes fp32
+      (c + 4) and `.to(dtype)` reads that and writes the copy (4 + c); the value matmul reads the probabilities
+      (c): 8c + 8 bytes. In fp32 (c = 4) softmax writes c and there is no copy: 8c.
+    - backward: the value matmul writes the probabilities' gradient and its weight-side gradient reads the
+      probabilities (2c); `.to`'s backward reads c and writes 4; softmax's backward reads its gradient and its fp32
+      output and writes the input's gradient in the input's dtype (8 + c); `* scaling` reads and writes (2c); the two
+      gradient matmuls of `q @ k^T` read the scores' gradient (2c): 8c + 12 bytes; in fp32 9c.
+    Megatron's fused scale-mask-softmax (megatron/core/fusions/fused_softmax.py, `--attention eager`): the scores
+    (c), one kernel reading them and writing the probabilities (2c), the value matmul's read (c): 4c; backward 2c
+    for the value matmul, 3c for the fused backward (gradient and output in, gradient out), 2c for the score
+    matmuls: 7c.
+    Dropout on the probabilities adds a pass each way: read c, write c, the bool mask 1 byte (2c + 1). Gemma 2's
+    softcapping (`_attn_softcap`: `/ cap`, `tanh`, `* cap`) adds three forward passes (6c) and their backwards
+    (the multiply's and the divide's 2c each, tanh's 3c: gradient and saved output in, gradient out)."""
+    from memcalc.cost.activations import _attn_softcap, _shape, eager_core
+
+    if not eager_core(run):
+        return 0, 0
+    c = _shape(run)[0]
+    if run.profile == "megatron":
+        fwd, bwd = 4 * c, 7 * c
+    elif c < 4:
+        fwd, bwd = 8 * c + 8, 8 * c + 12
+    else:
+        fwd, bwd = 8 * c, 9 * c
+    if run.dropout > 0:
+        fwd, bwd = fwd + 2 * c + 1, bwd + 2 * c + 1
+    if _attn_softcap(run):
+        fwd, bwd = fwd + 6 * c, bwd + 7 * c
+    return fwd, bwd
+
+
+def eager_attention_seconds(run: Run) -> Num:
+    """Time one GPU spends per step moving an eager attention core's s x s scores through HBM, at the GPU's peak
+    bandwidth (`hardware.hbm_bytes_per_s`; a lower bound): those elementwise passes are memory-bound (Dao et al.
+    2022, FlashAttention, sec. 1 and 3: fusing them is its speed-up), and the matmul FLOPs of the core are already
+    in `flops_per_step`. Per sequence and layer the core materialises a x s x s scores, the whole square under a
+    causal mask (`eager_score_bytes` per element, forward and backward, and a forward again for each layer whose core
+    a recompute re-runs); spread evenly over the GPUs as the FLOPs are. 0 for a fused core, or where the preset has
+    no bandwidth."""
+    bw = float(run.hardware.hbm_bytes_per_s)
+    fwd, bwd = eager_score_bytes(run)
+    if bw <= 0 or fwd == 0:
+        return 0.0 * run.gpus
+    m = run.model
+    per_seq_layer = 1.0 * m.heads * run.seq * run.seq
+    passes = m.layers * (fwd + bwd) + recomputed_layers(run) * fwd
+    return run.global_batch * per_seq_layer * passes / (run.gpus * bw)
+
+
 def compute_seconds(run: Run) -> Num:
     """Busy compute time of one GPU per step: FLOPs incl. recompute spread evenly over all GPUs, at peak times
-    the assumed efficiency. Stage imbalance (LM head on the last stage) is not modelled separately."""
+    the assumed efficiency, plus an eager attention core's memory-bound passes (`eager_attention_seconds`).
+    Stage imbalance (LM head on the last stage) is not modelled separately."""
     rate = _rate(run)
     if rate <= 0:
         return 0.0 * run.gpus
-    return flops_per_step(run) / (run.gpus * rate)
+    return flops_per_step(run) / (run.gpus * rate) + eager_attention_seconds(run)
 
 
 def bubble_seconds(run: Run) -> Num:
@@ -345,6 +403,15 @@ def compute_notes(run: Run) -> list[str]:
         "TP collectives are exposed" + (" (here overlapped: tp_overlap)" if run.tp_overlap else "") +
         ", pipeline send/recv is on the critical path",
     ]
+    fwd, bwd = eager_score_bytes(run)
+    if fwd:
+        bw = run.hardware.hbm_bytes_per_s
+        notes.append(
+            f"eager attention: the s x s scores pass through HBM {fwd} bytes per score forward and {bwd} backward "
+            "(+ a forward per recomputed core), " + (f"at the peak {bw / 1e12:g} TB/s: "
+                                                      f"{eager_attention_seconds(run):,.2f} s of the compute time"
+                                                      if bw > 0 else "not timed (no hbm_bytes_per_s)")
+            + "; a fused kernel (--attention flash) makes none of these passes")
     if t.recompute != "none":
         extra = {"full": "one layer forward", "op": "the k, o and up (GELU: proj) matmuls"}.get(
             t.recompute, "attention core forward")
@@ -392,6 +459,7 @@ def compute_out(run: Run, colls: list[Any]) -> Any:
         bubble_seconds=bubble,
         exposed_comm_seconds=exposed,
         cpu_optimizer_seconds=cpu_step,
+        eager_attention_seconds=float(eager_attention_seconds(run)),
         step_seconds=step,
         tokens_per_second=tokens / step,
         mfu=model_flops / (step * peak * run.gpus),

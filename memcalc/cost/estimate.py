@@ -16,7 +16,7 @@ from memcalc.cost.params import stage_layers, total_params, zero1_worst_dp_index
 from memcalc.cost.timeline import CATEGORIES, StageMemory, stage_memory
 from memcalc.specs import Run
 
-SCHEMA_VERSION = "1.27"
+SCHEMA_VERSION = "1.28"
 
 
 class _Out(BaseModel):
@@ -128,6 +128,8 @@ class Compute(_Out):
     model_flops_per_step: float = 0.0  # without recompute: the numerator of `mfu`
     peak_flops_per_gpu: float = 0.0
     cpu_optimizer_seconds: float = 0.0  # the offloaded optimizer step on the host CPUs (compute.py), exposed
+    # an eager attention core's memory-bound passes over its s x s scores, part of compute_seconds (compute.py)
+    eager_attention_seconds: float = 0.0
     notes: list[str] = []
 
 
