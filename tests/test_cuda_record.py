@@ -272,7 +272,7 @@ H200_RESERVED_MISSES = {
     36: "-10.8%: Llama-3.1-8B, seq 8192: the first step's Adam moments carve the segments of the loss's 4008 MiB fp32 "
         "logit blocks, and the second step reserves two of them afresh (the replay, step by step: +7.83 GiB); the "
         "replay is -4.5% (83.05 GiB against 86.97)",
-    41: "-9.8%: eager attention with dropout under selective recompute: 5.78 GiB reserved for a 5.07 GiB peak; the "
+    41: "-9.5%: eager attention with dropout under selective recompute: 5.78 GiB reserved for a 5.07 GiB peak; the "
         "replay has it to the byte, the fraction does not (the scores-sized blocks carve the segments)",
     45: "-7.1%: Qwen2.5-7B, seq 4096: as row 36, the second step reserves three 2376 MiB fp32 logit blocks afresh "
         "(the replay: 78.88 GiB, +0.17%)",
@@ -361,7 +361,7 @@ H200_REPLAY_BAR = {35: (0.0, 0.005), 37: (0.0, 0.0015), 40: (0.0, None), 41: (0.
 
 @pytest.mark.parametrize("row", sorted(H200_REPLAY_BAR))
 def test_allocator_replay_matches_the_h200_reserved(row):
-    """Where memcalc's fraction misses the H200 (rows 41: -9.8%, 35 and 42: +18.7% and +20.0% before the list was
+    """Where memcalc's fraction misses the H200 (rows 41: -9.5%, 35 and 42: +18.7% and +20.0% before the list was
     no longer added on top of the step), the replay of the same allocations, without a GPU, gives
     `max_memory_reserved()` to the byte (row 35: 70,191,677,440 B), on both policies for row 46."""
     bar, xbar = H200_REPLAY_BAR[row]

@@ -189,3 +189,25 @@ def test_softmax_backward_scratch_past_1024_keys(flags):
     rep = validate(run, device="cpu", tolerance=0.02, timeout=120)
     assert rep["measured"]["peak_phase"] == "backward"
     assert abs(rep["error"]) < 0.0005, rep["error"]
+
+
+# several sequences per micro-batch: matmul folds batch and heads into one dimension for bmm, which the projections'
+# (b, s, a, d) layout allows only for one sequence, so it clones Q, K (MHA) and V and bmm saves the clones
+# (`activations._qk_copied`; rotary keeps the layout). And q/k norms under AMP leave Q and K fp32
+# (`_fp32_core_inputs`). Each case missed the phase named (all by about 1 MiB here) before.
+@pytest.mark.parametrize("flags,phase", [
+    (dict(layers=1, precision="bf16", master_weights=False), "forward"),  # -2.26%: Q and K beside their clones
+    (dict(precision="fp32", recompute="selective"), "forward"),  # -1.70%: the value matmul's clone of V, fp32
+    (dict(precision="fp32", dropout=0.1), "forward"),  # -0.87%: the same beside dropout's mask and output
+    (dict(precision="bf16", recompute="selective"), "backward"),  # -1.44%: the re-run core's clones of Q and K
+    (dict(precision="bf16", recompute="selective", kv_heads=2), "backward"),  # -0.75%: Q's (K's repetition is not)
+    (dict(precision="bf16", qk_norm=True, recompute="full", kv_heads=2), "forward"),  # -2.49%: fp32 Q, K, K's rep.
+    (dict(precision="bf16", qk_norm=True, recompute="selective", kv_heads=2), "forward"),  # -0.79%: K's fp32 rep.
+    (dict(precision="bf16", qk_norm=True, recompute="selective", kv_heads=2), "backward"),  # -0.70%
+], ids=["mha-bf16", "fp32-selective", "fp32-dropout", "amp-selective", "amp-selective-gqa", "amp-qknorm-full",
+        "amp-qknorm-selective", "amp-qknorm-selective-bwd"])
+def test_eager_core_with_several_sequences(flags, phase):
+    opts = {**dict(layers=2, hidden=H, heads=HEADS, ffn=192, vocab=256, seq=512, micro_batch=4, attention="eager"),
+            **flags}
+    rep = validate(build_run(RunOptions(**opts)), device="cpu", tolerance=0.05, timeout=120)
+    assert abs(_phase_gap(rep, phase)) < 0.001, _phase_gap(rep, phase)

@@ -1697,31 +1697,38 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
     fused = run.training.qkv_impl == "fused"
     # under GQA the projections' K and V stay referenced by the attention's forward beside their repetitions
     originals = c * tok * m.head_dim * 2 * kv if (m.kv_heads < m.heads and not fused) else 0
+    f32 = _fp32_core_inputs(run)  # 1 or 0 (an array of them in plan's bulk evaluation)
     if mode in ("full", "op"):
         # a checkpointed layer: its saved input, and its norm output, Q, K, V as locals (the matmuls' copies of Q
         # and K^T are freed with the matmul when nothing saves them)
         plain = layer_terms(run, "none")
         before = sum(terms.values()) + sum(plain.get(k, 0) for k in ("q", "k", "v", "qkv_fused_buffer"))
         before = before + _stream_bytes(run, c) * tok * m.hidden
+        # q/k norms under AMP (`_fp32_core_inputs`): rotary's Q and K, and under GQA K's repetition, are fp32
+        # locals, 4 - c bytes more per element than counted (the matmul's casts of them are freed with it, without
+        # grad). Measured by the harness: 1,310,720 B for 2 x 512 x 4 heads (2 KV) of 32 (tests/test_validate_attention.py)
+        rep = heads if m.kv_heads < m.heads else 0
+        before = before + f32 * (4 - c) * tok * m.head_dim * (heads + kv + rep)
     elif mode == "selective":
         # the core runs checkpointed: its inputs Q, K, V are saved (`terms`), the matmuls' copies are not kept, and
         # under GQA the repetitions of K and V are its locals
         before = sum(x for k, x in terms.items() if k in _UP_TO_CORE and k not in _CORE)
         before = before + (2 * c * tok * m.head_dim * heads if m.kv_heads < m.heads else 0)
+        # (q/k norms under AMP: the saved K is fp32, and so is its repetition, `_fp32_core_inputs`)
+        before = before + (f32 * (4 - c) * tok * m.head_dim * heads if m.kv_heads < m.heads else 0)
         originals = 0
     else:
         before = sum(x for k, x in terms.items() if k in _UP_TO_CORE and k not in _CORE)
-        if _qk_copied(run):
-            # the saved q and k terms are the matmul's copies (Q and K^T in the (b, s, a, d) layout cannot be batched
-            # without one; under GQA K's repetition is batched as it is): the projections' Q (and MHA's K) are
-            # still referenced beside them
-            before = before + c * tok * m.head_dim * (heads + (kv if m.kv_heads == m.heads else 0))
+        # the saved q and k terms are the matmul's copies where it makes them (`_qk_copied`; under GQA K's repetition
+        # is batched as it is): the projections' Q (and MHA's K) are still referenced beside them (fp32 ones with
+        # q/k norms under AMP: counted below)
+        before = before + _qk_copied(run) * (1 - f32) * c * tok * m.head_dim * (
+            heads + (kv if m.kv_heads == m.heads else 0))
     before = before + originals
     if mode in ("none", "selective"):
         # under autocast the norm's output is fp32 and the q/k/v projections save their own casts of it
         # (`qkv_input`): the fp32 output stays referenced by the attention's forward beside them
         before = before + _autocast(run) * 4 * tok * m.hidden
-    f32 = _fp32_core_inputs(run)  # 1 or 0 (an array of them in plan's bulk evaluation)
     if mode == "none":
         # q/k norms under AMP return fp32 (`qk_norm`), so rotary's q and k are fp32: the score matmul saves its
         # autocast casts (the `q`, `k` terms) while the fp32 tensors stay referenced by the attention's forward,
@@ -1753,6 +1760,19 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
             # and an fp32 output, (c + 9) S. Measured: at (3c + 5) S the forward phase was 6-9% over (2 layers)
             dropped = where(f32 == 1, c * scores + 4 * scores + scores + 4 * scores, (3 * c + 1) * scores)
         moment = imax(moment, dropped)
+    # the value matmul: the probabilities it reads (and, with grad, what softmax and dropout saved) beside the
+    # scores, its output (c tok a/t d) and, where V is in the projection's (b, s, a, d) layout (MHA; a repetition
+    # is contiguous), the copy matmul makes of it. Above the softmax's moment in fp32, where no upcast precedes it
+    # (measured by the harness: 1 MiB under for 4 fp32 heads of 32 at 2 x 4 x 512 tokens)
+    head_out = c * tok * heads * m.head_dim
+    v_copy = _qk_copied(run) * head_out if m.kv_heads == m.heads else 0
+    if run.dropout > 0:
+        # (dropout saves its mask, not its input: the compute-dtype copy is gone once its output is bound)
+        probs_live = dropped - c * scores - copy if mode == "none" else c * scores  # (the tanh output in it)
+    else:
+        probs_live = (4 * scores + copy + capped) if mode == "none" else (4 if c == 4 else c) * scores
+    at_value = c * scores + probs_live + v_copy + head_out
+    moment = where(f32 == 1, moment, imax(moment, at_value))
     return where(run.cp > 1, _NEVER, before + moment)
 
 
@@ -1775,11 +1795,17 @@ def _attn_softcap(run: Run) -> bool:
     return run.model.attn_softcap and run.training.attention == "eager"
 
 
-def _qk_copied(run: Run) -> bool:
-    """Eager attention's `matmul(q, k^T)` copies Q and K: they reach it in the projections' (b, s, a, d) layout,
-    which cannot be batched as is. Rotary embeddings leave them contiguous (rotate-half's `torch.cat` sets the
-    layout of `q * cos + rotate_half(q) * sin`), and lit-gpt's fused QKV makes them contiguous itself: no copy."""
-    return run.training.qkv_impl != "fused" and run.model.positions != "rotary"
+def _qk_copied(run: Run) -> Num:
+    """1 where eager attention's matmuls copy Q, K (`matmul(q, k^T)`) and V (`matmul(probs, v)`), else 0
+    (elementwise). They reach them in the projections' (b, s, a, d) memory viewed as (b, a, s, d); rotary keeps that
+    layout (`q * cos` follows q's strides and the sum its first operand's: TensorIterator, read with torch 2.13).
+    matmul folds the batch and head dimensions into one for bmm, which that layout allows only with one sequence
+    per micro-batch: with more it clones the operand (aten.clone under its reshape), and bmm saves the clone. None
+    for lit-gpt's fused QKV, made contiguous by the model itself; under GQA the repetitions of K and V are
+    contiguous copies (only Q is copied). Measured by the harness (tests/test_validate_attention.py)."""
+    if run.training.qkv_impl == "fused":
+        return 0
+    return where(run.micro_batch > 1, 1, 0)
 
 
 def _megatron_mlp_backward(run: Run) -> Num:
@@ -2519,7 +2545,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             # the value matmul's backward, before the softmax's, `attention_backward`), and its output, which the
             # recomputation leaves referenced
             gqa = m.kv_heads < m.heads
-            copies = (plain["q"] + (0 if gqa else plain["k"]) if _qk_copied(run) else 0) + (
+            copies = _qk_copied(run) * (plain["q"] + (0 if gqa else plain["k"])) + (
                 plain["k"] + plain["v"] if gqa else 0)
             back = sum(plain.get(k, 0) for k in _CORE) + copies + plain["attn_output"]
             attn_bwd = where(plain_layers >= 1, attn_bwd, base_bwd + _residual_grad_bytes(run) + back + rec)
