@@ -2468,6 +2468,21 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     re_run = 0
     if mode in ("full", "op") and _dequantizes(tr) and tr.base_dtype == "nf4":
         re_run = where(ck > 0, remat + _recomputed_down_matmul(run), 0)
+    if mode in ("full", "op") and not off:
+        # the re-run forward's eager core, with grad, beside the incoming gradient: a plain layer's forward moment
+        # (`eager_attention_forward`), its saved set built up to the core and the core's locals; a fused norm saves
+        # the layer's input, which is the checkpoint, already held, and so does an eager fp32 one where the stream is
+        # fp32 (`x.float()` returns x)
+        core_rerun = eager_attention_forward(run, plain, "none")
+        if not (isinstance(core_rerun, int) and core_rerun == _NEVER):
+            stream = _stream_bytes(run, DTYPE_BYTES[run.recipe.compute_dtype])
+            shared = stream * _shape(run)[2] * m.hidden
+            if tr.norm_impl == "fp32" and m.norm == "rmsnorm":
+                shared = where(stream < 4, 0, shared)
+            # (like the QLoRA moment above, relative to the re-run's whole set, `remat`, which holds the adjustments
+            # for plain layers freed before it)
+            x = _residual_grad_bytes(run) + core_rerun - shared - _remat_net(mode, plain, kept_bytes)
+            re_run = imax(re_run, where(ck > 0, remat + x, 0))
     at_layer = imax(imax(_layer_moment(mode, layer_tr, remat), dense_at), re_run)
     # torch pipelining, every stage but the last: the stage's last layer (the first in backward) gets its output's
     # gradient in the receive buffer (`pipeline_recv_buffers`), not in a new tensor; the later layers' is new
