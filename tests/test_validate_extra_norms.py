@@ -90,7 +90,10 @@ def test_qk_norms_add_no_error(opts):
     """Q and k norms over each head (GQA: 4 query heads, 2 KV heads) with SDPA: the whole-step error in every phase
     equals the plain layer's to within 64 bytes."""
     opts = dict(opts, shape=dict(kv_heads=2))
-    world = "fake" if opts.get("gpus", 1) > 1 and opts.get("tp", 1) > 1 else "real"
+    # (FSDP2 over a real gloo world frees a unit's buffers when its asynchronous collective completes, so its
+    # measured peak varies by up to ~90 KB from run to run under load: a fake world is deterministic)
+    several = opts.get("gpus", 1) > 1 and (opts.get("tp", 1) > 1 or opts.get("zero", 0) >= 2)
+    world = "fake" if several else "real"
     reps = {q: validate(_run(q, "qk_norm", **dict(opts)), device="cpu", world=world, steps=1, timeout=240)
             for q in (False, True)}
     base, qk = _gap(reps[False]), _gap(reps[True])
