@@ -1706,7 +1706,8 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
         before = before + _stream_bytes(run, c) * tok * m.hidden
         # q/k norms under AMP (`_fp32_core_inputs`): rotary's Q and K, and under GQA K's repetition, are fp32
         # locals, 4 - c bytes more per element than counted (the matmul's casts of them are freed with it, without
-        # grad). Measured by the harness: 1,310,720 B for 2 x 512 x 4 heads (2 KV) of 32 (tests/test_validate_attention.py)
+        # grad). Measured by the harness: 1,310,720 B for 4 x 512 tokens, 4 heads (2 KV) of 32
+        # (tests/test_validate_attention.py)
         rep = heads if m.kv_heads < m.heads else 0
         before = before + f32 * (4 - c) * tok * m.head_dim * (heads + kv + rep)
     elif mode == "selective":

@@ -235,8 +235,8 @@ def _render_comm_compute(est: Estimate, con: Console, units: str) -> None:
         con.print(Text(f"compute: {comp.flops_per_step:.3g} FLOP/step · step {comp.step_seconds:,.2f} s "
                        f"(compute {comp.compute_seconds:,.2f} s"
                        + (f" incl. eager attention {comp.eager_attention_seconds:,.2f} s"
-                          if comp.eager_attention_seconds else "") + f", bubble {comp.bubble_seconds:,.2f} s, exposed comm "
-                       f"{comp.exposed_comm_seconds:,.2f} s"
+                          if comp.eager_attention_seconds else "")
+                       + f", bubble {comp.bubble_seconds:,.2f} s, exposed comm {comp.exposed_comm_seconds:,.2f} s"
                        + (f", CPU optimizer step {comp.cpu_optimizer_seconds:,.2f} s" if comp.cpu_optimizer_seconds
                           else "") + f") · {comp.tokens_per_second:,.0f} tokens/s · MFU "
                        f"{comp.mfu:.1%} (assumed kernel efficiency {comp.assumed_mfu:.0%})", style="dim"))
