@@ -41,7 +41,7 @@ from memcalc.cost.params import (
     stage_layers,
 )
 from memcalc.errors import InputError
-from memcalc.specs import Run, freeze_layers
+from memcalc.specs import DTYPE_BYTES, Run, freeze_layers
 from memcalc.xp import imax, imin
 
 Num = Any
@@ -225,11 +225,11 @@ def eager_score_bytes(run: Run) -> tuple[int, int]:
     Dropout on the probabilities adds a pass each way: read c, write c, the bool mask 1 byte (2c + 1). Gemma 2's
     softcapping (`_attn_softcap`: `/ cap`, `tanh`, `* cap`) adds three forward passes (6c) and their backwards
     (the multiply's and the divide's 2c each, tanh's 3c: gradient and saved output in, gradient out)."""
-    from memcalc.cost.activations import _attn_softcap, _shape, eager_core
+    from memcalc.cost.activations import _attn_softcap, eager_core
 
     if not eager_core(run):
         return 0, 0
-    c = _shape(run)[0]
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
     if run.profile == "megatron":
         fwd, bwd = 4 * c, 7 * c
     elif c < 4:
