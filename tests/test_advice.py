@@ -29,6 +29,12 @@ CASES = [
     # Gemma 2's softcapped logits fitting with full recompute: a chunked loss, which resolve() refuses with the
     # final-logit softcap, was suggested here (its command exited 2)
     ("--model", "gemma-2-9b", "--gpus", "8", "--zero", "3", "--seq", "4096", "--recompute", "full"),
+    # --sp (or --no-sp) at tp 1 is moot, but decides the re-run of a "--tp 2" suggestion: the suggestion used to
+    # leave SP out under deepspeed and in under megatron without saying so, and its command gave another peak
+    ("--model", "llama-3.2-3b", "--profile", "deepspeed", "--gpus", "8", "--sp", "--seq", "8192", "--micro-batch",
+     "4", "--gpu", "a100-40gb"),
+    ("--model", "llama-3.2-3b", "--profile", "megatron", "--gpus", "8", "--no-sp", "--seq", "8192", "--micro-batch",
+     "4", "--gpu", "a100-40gb"),
     # Gemma 2 on Hugging Face's eager attention (which its softcapped scores need without flash-attn >= 2.6)
     ("--model", "gemma-2-9b", "--attention", "eager", "--gpus", "8", "--zero", "3"),
 ]

@@ -83,10 +83,11 @@ def _candidates(run: Run) -> Iterator[Change]:
     a2a_ok = run.cp_comm != "a2a" or (m.heads % tp2 == 0 and a2a_cp_limit(m, tp2) % run.cp == 0)
     if (m.heads % tp2 == 0 and m.kv_heads % tp2 == 0 and tp2 <= run.hardware.gpus_per_node and run.dp % 2 == 0
             and a2a_ok):
-        # with SP where the profile has it (megatron turns it on with TP by itself; torch needs --sp)
+        # with SP where the profile has it. The flag is stated either way: at tp 1 the run's own --sp/--no-sp
+        # is moot (resolve() keeps sp only with tp > 1), but it would decide the re-run of these flags
         sp = run.profile != "deepspeed" or run.sp
         yield (f"tensor parallel {tp2}" + (" with SP" if sp else ""),
-               f"--tp {tp2}" + (" --sp" if run.profile == "torch" else "") + _accum(run, 2),
+               f"--tp {tp2}" + (" --sp" if sp else " --no-sp") + _accum(run, 2),
                lambda r: r.replace(tp=tp2, dp=r.dp // 2, sp=sp, grad_accum=r.grad_accum * 2,
                                    global_batch=r.global_batch))
     if t.recompute != "full":

@@ -443,7 +443,9 @@ def compute_out(run: Run, colls: list[Any]) -> Any:
             step_seconds=0.0, tokens_per_second=0.0, mfu=0.0, assumed_mfu=assumed_mfu(run),
             model_flops_per_step=model_flops, peak_flops_per_gpu=0.0,
             notes=[f"no peak FLOP/s for {run.recipe.compute_dtype} in hardware {run.hardware.name!r}: "
-                   "step time not modelled"],
+                   "step time not modelled"
+                   + ("; it has fp16 (--precision fp16)" if run.recipe.compute_dtype == "bf16"
+                      and run.hardware.flops.get("fp16", 0) > 0 else "")],
         )
     comp = float(compute_seconds(run))
     bubble = float(bubble_seconds(run))

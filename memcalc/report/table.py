@@ -241,7 +241,7 @@ def _render_comm_compute(est: Estimate, con: Console, units: str) -> None:
                           else "") + f") · {comp.tokens_per_second:,.0f} tokens/s · MFU "
                        f"{comp.mfu:.1%} (assumed kernel efficiency {comp.assumed_mfu:.0%})", style="dim"))
     else:
-        con.print(Text("compute: not modelled yet", style="yellow"))
+        con.print(Text("compute: " + ("; ".join(comp.notes) or "not modelled yet"), style="yellow"))
 
 
 def _render_verdict(est: Estimate, con: Console, units: str) -> None:
