@@ -35,6 +35,10 @@ CASES = [
      "4", "--gpu", "a100-40gb"),
     ("--model", "llama-3.2-3b", "--profile", "megatron", "--gpus", "8", "--no-sp", "--seq", "8192", "--micro-batch",
      "4", "--gpu", "a100-40gb"),
+    # selective recompute of 4 layers only: "full recompute" is every layer, so its flags override
+    # --recompute-layers (they used to leave it, and the command recomputed 4 layers: 11x the peak it claimed)
+    ("--model", "falcon-40b", "--gpus", "4", "--profile", "deepspeed", "--seq", "8192", "--micro-batch", "2",
+     "--zero", "2", "--recompute", "selective", "--recompute-layers", "4"),
     # Gemma 2 on Hugging Face's eager attention (which its softcapped scores need without flash-attn >= 2.6)
     ("--model", "gemma-2-9b", "--attention", "eager", "--gpus", "8", "--zero", "3"),
 ]

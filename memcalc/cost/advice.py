@@ -91,7 +91,9 @@ def _candidates(run: Run) -> Iterator[Change]:
                lambda r: r.replace(tp=tp2, dp=r.dp // 2, sp=sp, grad_accum=r.grad_accum * 2,
                                    global_batch=r.global_batch))
     if t.recompute != "full":
-        yield ("full recompute", "--recompute full",
+        # every layer: where the run named --recompute-layers K, the flags must override it (K = all its layers)
+        every = "" if t.recompute_layers is None else f" --recompute-layers {m.layers}"
+        yield ("full recompute", "--recompute full" + every,
                lambda r: r.replace(training=r.training.model_copy(update={"recompute": "full",
                                                                           "recompute_layers": None})))
     if t.lora_rank is not None and t.base_dtype not in QUANTIZED:
