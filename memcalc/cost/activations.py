@@ -2530,6 +2530,14 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     last_layer = one_layer
     if mode in ("full", "op") and not off and (tr.recompute_layers is not None or tr.recompute_every is not None):
         last_layer = where(last_plain, plain_bytes, kept_bytes)
+    # the last layer's input (the stream, s_h) is live at the start of its forward whether or not its saved set,
+    # just taken off, holds it (a checkpoint is that input; a norm that upcasts first saves a copy); on a later
+    # pipeline stage the only layer's input is the receive buffer, counted in `held` (measured: FSDP2 at the last
+    # unit's copy-out, one s_h low, -0.2% to -1.2% of the forward, plain or recomputed, offloaded or not)
+    x_last = where((unit_layers >= 2) | (pp == 1), s_h, 0)
+    # FSDP2 with one layer: its copy-out is the first layer's (the root's all-gather output beside it, not a layer's
+    # as `forward_layer`'s buffers have it; measured: +14% on the forward of a 1-layer ZeRO-3 run)
+    first_copy_out = _first_layer_copy_out(run, stage)
     # offloading: the k-th layer backward (`StageActivations.offloaded_layer_at`) holds that layer's set and the
     # previous layer's, plain or checkpointed; the first (k = 0) is `backward_layer_bytes`
     # the layers' moments: everything held but what the loss and LM head free
@@ -2627,8 +2635,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         layer_k_extra_bytes=layer_k_extra,
         drain_less_bytes=where(total_units > units, freed, 0),
         forward_head_bytes=base + w_last + where(last, _head_moment(run, logits, dq_head_fwd), 0),
-        forward_layer_bytes=base - last_layer + w_prev,
-        forward_first_layer_bytes=_first_layer_copy_out(run, stage),
+        forward_layer_bytes=where((unit_layers == 1) & (first_copy_out != _NEVER), _NEVER,
+                                  base - last_layer + w_prev + x_last),
+        forward_first_layer_bytes=first_copy_out,
         forward_attention_bytes=attn_fwd,
         forward_checkpointed_mlp_bytes=ck_mlp_fwd,
         forward_checkpointed_down_bytes=ck_down_fwd,

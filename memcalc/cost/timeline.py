@@ -566,6 +566,9 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
 def _switch_layers(act: Any) -> tuple[Num, ...]:
     """Offloading: where the resident pair changes, counted from the stage's last layer (clipped to the stage's
     layers): the last plain layer whose previous one is plain, the last plain layer, the first checkpointed one.
-    Between these and the other moments (first, second, last but one and last layer) the total is linear."""
+    Between these and the other moments (first, second, last but one and last layer) the total is linear.
+    k >= 1, as in `mixed_layers`: the first layer's (k = 0) is the `backward_layer` moment, and the moments these
+    index hold the previous unit's reduce-scatter input (`backward_layer_next`), which k = 0 has not (FSDP2
+    ZeRO-2, offloaded and fully recomputed: its backward read one unit's unsharded gradients high, +6.6%)."""
     plain_n, n = act.offload_parts[1], act.offload_parts[2]
-    return tuple(imin(imax(plain_n - d, 0), n - 1) for d in (2, 1, 0))
+    return tuple(imin(imax(plain_n - d, 1), imax(n - 1, 1)) for d in (2, 1, 0))
