@@ -133,6 +133,9 @@ class ModelSpec(_Frozen):
             if not data.get("kv_heads") and heads:
                 data["kv_heads"] = heads
             if not data.get("head_dim") and heads and data.get("hidden"):
+                if data["hidden"] % heads:  # Megatron asserts it; HF's attention would not match the hidden size
+                    raise ValueError(f"hidden {data['hidden']} is not a multiple of heads {heads}; valid: a "
+                                     f"multiple of {heads}, or head_dim given (--head-dim)")
                 data["head_dim"] = data["hidden"] // heads
             if not data.get("display_name"):
                 data["display_name"] = data.get("name", "custom")

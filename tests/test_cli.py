@@ -44,6 +44,8 @@ BAD_INPUTS = [
     (["--model", "llama-2-7b", "--stage", "middle"], "--stage 'middle'"),
     (["--model", "llama-2-7b", "--memory", "lots"], "--memory 'lots'"),
     (["--hidden", "4096"], "--layers"),
+    # a head width of 5 // 32 = 0 was accepted and estimated
+    (["--model", "llama-3.1-8b", "--hidden", "5"], "hidden 5 is not a multiple of heads 32"),
     (["--params", "-7B"], "--params"),
     (["--model", "llama-2-7b", "--offload", "params", "--zero", "2"], "--offload params"),
     (["--model", "llama-2-7b", "--mfu", "1.5"], "--mfu"),
