@@ -13,7 +13,12 @@ by:
 - the last layer's eager attention core: the previous unit's all-gather output, freed by the layer's copy-out, was
   held beside it (forward +3.5% with one layer);
 - the attention core's backward: the layer's unsharded grads of its output projection and MLP, made before it, were
-  not counted (a selectively recomputed eager core, ZeRO-3: backward -3.1%)."""
+  not counted (a selectively recomputed eager core, ZeRO-3: backward -3.1%);
+- the end of a layer's backward, one matmul earlier: the Q projection's input gradient, with the input norm's saved
+  tensors, Q's gradient and the K + V input gradients' sum still live (5 stream-sized tensors: -1.0% at seq 64,
+  -1.5% in fp32);
+- offloaded with checkpointed layers below plain ones (--recompute-layers): a layer's end held the plain set of the
+  layer next in backward where a checkpointed one comes (+2.8%)."""
 
 from __future__ import annotations
 
@@ -37,6 +42,10 @@ CASES = {
     "zero2-one-layer-full-seq64": dict(zero=2, seq=64, layers=1, recompute="full"),
     "zero2-one-layer-eager-selective": dict(zero=2, seq=128, layers=1, recompute="selective", attention="eager"),
     "zero3-eager-selective": dict(zero=3, seq=128, recompute="selective", attention="eager"),
+    "zero3-seq64": dict(zero=3, seq=64),
+    "zero3-fp32-seq128-mb1": dict(zero=3, seq=128, micro_batch=1, precision="fp32", ffn=704, vocab=4096),
+    "zero3-offloaded-full-2-of-4-seq64": dict(zero=3, seq=64, offload_activations=True, recompute="full",
+                                              recompute_layers=2),
 }
 
 

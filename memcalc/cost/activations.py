@@ -1157,6 +1157,9 @@ class StageActivations:
     # waiting for their cast nodes to the end of a later backward (`late_dw`; 0 elsewhere)
     late_layer_dw_bytes: Num = 0
     loss_kept_bytes: Num = 0
+    # the end of a layer's backward, one step earlier: its Q projection's input gradient, the last of the layer's
+    # weight gradients made, beside what the layer end holds (`qkv_dgrad_extra`; 0 where not modelled)
+    qkv_dgrad_extra_bytes: Num = 0
     # one micro-batch's bitsandbytes-held layer inputs (`graph_held_layer_bytes`), live from its backward to the
     # end of that backward, or, where the loop holds the graph (`loop_holds_graph`), to the next loss
     graph_held_bytes: Num = 0
@@ -1194,6 +1197,16 @@ class StageActivations:
         assert self.offload_parts is not None
         return _offloaded_layer_at(self.offload_parts, k)
 
+    def offloaded_post_at(self, k: Num) -> Num:
+        """Offloading: activations at the end of the k-th layer's backward from the last: the next layer's set
+        (reloaded while this one ran; plain or checkpointed, none past the stage's first layer) beside the input
+        gradient. (`backward_post_bytes` holds the unit's second-to-last layer's: a plain set where checkpointed
+        layers come next read up to 2.8% high, FSDP2 with --recompute-layers.)"""
+        assert self.offload_parts is not None
+        _, plain_n, n, plain, kept, _, _, post_base = self.offload_parts
+        nxt = k + 1
+        return post_base + where(nxt < plain_n, plain, where(nxt < n, kept, 0))
+
 
 def _mixed_at(parts: tuple[Any, ...], k: Num, kind: str) -> Num:
     """base (everything held once the loss terms are freed) less the saved sets of the k layers above the k-th
@@ -1228,7 +1241,7 @@ def _offloaded_layer_at(parts: tuple[Num, ...], k: Num) -> Num:
     """base + the layer's saved set + the previous layer's (reloaded; none for the stage's first layer) + the
     layer's backward transient (a checkpointed layer's includes its re-run). The last `plain` layers are plain,
     the rest checkpointed (Megatron's block method checkpoints the first ones)."""
-    base, plain_n, n, plain, kept, tr_plain, tr_ck = parts
+    base, plain_n, n, plain, kept, tr_plain, tr_ck, _ = parts
     nxt = k + 1
     prev_plain = where(nxt < plain_n, plain, where(nxt < n, kept, 0))
     prev_ck = where(nxt < n, kept, 0)
@@ -1983,6 +1996,22 @@ def _first_layer_copy_out(run: Run, stage: Num) -> Num:
     return where((run.pp == 1) & (run.shard_degree > 1), early, _NEVER)
 
 
+def qkv_dgrad_extra(run: Run, plain: dict[str, Num]) -> Num:
+    """What a layer's backward holds, when its Q projection makes its input gradient (the last matmul of the layer's
+    backward: every weight gradient made), beyond what its end holds (`backward_post_bytes`): the input norm's saved
+    input and statistics and the Q/K/V input it saved (freed by the norm's backward, next), Q's gradient, and the two
+    stream-sized input gradients, Q's and K's + V's sum (V's, then K's, then Q's). FSDP2 pairs it with the layer
+    end's buffers (all of the layer's unsharded gradients): where weights outweigh activations it is the backward's
+    peak (measured: 5 stream-sized tensors, tests/test_validate_fsdp_moments.py). Sequential dense layers with
+    standard attention at tp = 1 (0 elsewhere: not measured there)."""
+    m = run.model
+    if m.block != "sequential" or m.mla is not None or m.moe is not None or run.training.lora_rank is not None:
+        return 0
+    c, tok_all, _, _ = _shape(run)
+    dx = c * tok_all * m.hidden
+    return where(run.tp == 1, plain.get("attn_norm", 0) + plain.get("qkv_input", 0) + plain.get("q", 0) + 2 * dx, 0)
+
+
 def _later_head_backward(run: Run, stage: Num, held: Num) -> tuple[Num, Num]:
     """(activations at the LM head's backward in a later micro-batch, on the last stage, or _NEVER; the head's new
     parameter-dtype weight gradient, 0 where the moment is not modelled). `held` (what
@@ -2543,7 +2572,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # the layers' moments: everything held but what the loss and LM head free
     base = held - head_freed - head_held  # (forward: the head has not run)
     base_bwd = base + head_held
-    parts = (base, plain_layers, unit_layers, plain_bytes, kept_bytes, layer_tr, at_layer)
+    parts = (base, plain_layers, unit_layers, plain_bytes, kept_bytes, layer_tr, at_layer, 0)
     layer_bwd = _offloaded_layer_at(parts, 0) if off else base_bwd + at_first_layer
     # a later micro-batch's: also the down projection's new weight gradient beside `.grad` (the pipelining receive
     # buffer holds the incoming gradient on all but the last stage)
@@ -2603,6 +2632,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         graph_held = unit_held - where(first & first_kept, _graph_held_first_layer_fix(run, plain), 0) + head_held
     detail["graph_held_inputs_transient"] = graph_held
     post = base_bwd - one_layer + w_prev + _residual_grad_bytes(run)
+    parts = parts[:-1] + (post - w_prev,)  # (offloading: the layer ends' base, `offloaded_post_at`)
     mixed = None
     if mode in ("full", "op") and not off and (tr.recompute_layers is not None or tr.recompute_every is not None):
         # plain and checkpointed layers: each layer's moments from the saved sets above it (the average layer of
@@ -2643,6 +2673,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         forward_checkpointed_down_bytes=ck_down_fwd,
         forward_layer_end_bytes=base + pair + layer_out,
         backward_post_bytes=post,
+        qkv_dgrad_extra_bytes=qkv_dgrad_extra(run, plain),
         backward_later_post_bytes=where(total_units > 1, post - held + held_later + sent + late_dw, _NEVER),
         backward_late_chunk_layer_bytes=late[0],
         backward_late_chunk_post_bytes=late[1],

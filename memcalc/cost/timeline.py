@@ -480,6 +480,8 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         return act.backward_attention_bytes - where(more, k * a, 0)
 
     def post_at(k: Num) -> Num:  # layer k's end (k layers before it done), as `layer_end` and `copy_out` take it
+        if offloaded:
+            return act.offloaded_post_at(k)
         if mixed:
             return act.mixed_at(k, "post")
         return act.backward_post_bytes - k * a
@@ -532,7 +534,11 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
           for k in (1, k_last)],
         *[if_later(copy_out(k, later_g, act.backward_later_post_bytes - (k - 1) * a, later_regathers == 1))
           for k in (1, k_last)],
-        *[layer_end(k, layer_g + k * g, post_at(k)) for k in (0, 1, k_pen, k_last)],
+        # (offloaded: also where the resident next layer changes from plain to checkpointed)
+        *[layer_end(k, layer_g + k * g, post_at(k)) for k in (0, 1, k_pen, k_last, *(switch if offloaded else ()))],
+        # ... and one step before its end, at its Q projection's input gradient (`qkv_dgrad_extra`)
+        *[layer_end(k, layer_g + k * g, post_at(k) + act.qkv_dgrad_extra_bytes)
+          for k in (0, 1, k_pen, k_last, *(switch if offloaded else ()))],
         *[if_later(layer_end(k, later_g, act.backward_later_post_bytes - k * a)) for k in (0, 1, k_pen, k_last)],
         drain(later_act, buf("backward")),
         drain(act.backward_later_layer_bytes, buf("backward_layer") + rel),
