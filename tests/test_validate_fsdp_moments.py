@@ -56,3 +56,20 @@ def test_fsdp2_moments_of_weight_heavy_layers(opts):
     measured = {r["name"]: r["measured"] for r in rep["rows"] if r["section"] == "phases"}
     for phase in ("forward", "backward", "optimizer"):
         assert abs(gap[phase]) <= max(16384, 0.0015 * measured[phase]), (phase, gap)
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(recompute="selective"), dict(recompute="full")],
+                         ids=["plain", "selective", "full"])
+def test_offloaded_eager_attention(opts):
+    """Eager attention with offloaded activations (ZeRO-3, 2 layers of 8 heads, 256 tokens: s x s scores outweigh the
+    layer). Forward: the last layer's core moment was not modelled under offloading (-13% plain, -34% selective);
+    now within 0.05%. Backward: the first layer's core moment with its own set and the next one's resident, an
+    upper bound (the harness frees a reloaded storage once its references are unpacked): within -0.1% .. +4%
+    (selective was -34%)."""
+    run = run_of(**{**SHAPE, "layers": 2, "hidden": 128, "ffn": 128, "seq": 256, "micro_batch": 1,
+                    "attention": "eager", "offload_activations": True, "zero": 3, **opts})
+    rep = validate(run, device="meta", world="fake", steps=1, timeout=240)
+    err = {r["name"]: (r["predicted"] - r["measured"]) / r["measured"] for r in rep["rows"] if r["section"] == "phases"}
+    assert abs(err["forward"]) < 0.0005, err
+    assert -0.001 < err["backward"] < 0.04, err
+

@@ -2585,9 +2585,20 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     later_layer_bwd = layer_bwd if off else base_bwd + imax(
         at_first_layer + piped_dw, _layer_moment(mode, where(later_dw > 0, later_dw - recv_stream, 0), remat))
     attn = attention_backward(run, plain)
-    modelled = not off and not (isinstance(attn, int) and attn == _NEVER)
-    attn_bwd = base_bwd + _layer_moment(mode, _residual_grad_bytes(run) + attn, remat) if modelled else _NEVER
-    if mode == "selective" and not off and eager_core(run):
+    # (offloaded: for an eager core only, whose s x s tensors can outweigh the rest; a fused one's moment is below
+    # the layer's, `offloaded_layer_at`)
+    modelled = not (isinstance(attn, int) and attn == _NEVER) and (not off or eager_core(run))
+    # offloaded: the first backward layer's own set and the next one's, reloaded meanwhile, are resident (`held`
+    # has neither). An upper bound: the harness frees each reloaded storage once all its references are unpacked,
+    # so part of the pair is gone by the core (eager, 2 layers: +0.7% to +3.7%; 4 layers -0.4% to +0.5%; without
+    # the moment, a selectively recomputed eager core read -34%)
+    own_pair = 0
+    if off:
+        own_pair = where(plain_layers >= 1, plain_bytes, kept_bytes) + where(
+            plain_layers >= 2, plain_bytes, where(unit_layers >= 2, kept_bytes, 0))
+    attn_bwd = (base_bwd + own_pair + _layer_moment(mode, _residual_grad_bytes(run) + attn, remat) if modelled
+                else _NEVER)
+    if mode == "selective" and eager_core(run):
         # the core comes back (its saved set, `plain`'s core terms) after the layer's MLP backward, and its backward
         # then runs as a plain layer's would (relative to the plain saved set); a plain last layer
         # (--recompute-layers) keeps its `attn` moment
@@ -2601,14 +2612,13 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             copies = _qk_copied(run) * (plain["q"] + (0 if gqa else plain["k"])) + (
                 plain["k"] + plain["v"] if gqa else 0)
             back = sum(plain.get(k, 0) for k in _CORE) + copies + plain["attn_output"]
-            attn_bwd = where(plain_layers >= 1, attn_bwd, base_bwd + _residual_grad_bytes(run) + back + rec)
+            attn_bwd = where(plain_layers >= 1, attn_bwd, base_bwd + own_pair + _residual_grad_bytes(run) + back + rec)
     # eager attention's core in the last layer's forward: a plain layer, unless all of the unit's are checkpointed
-    attn_fwd = _NEVER
-    if not off:
-        core_fwd = eager_attention_forward(run, plain, "none")
-        if mode != "none":
-            core_fwd = where(last_plain, core_fwd, eager_attention_forward(run, ck_terms, mode))
-        attn_fwd = base - last_layer + w_prev + core_fwd
+    # (offloaded: the previous layer's set, its copy to the host in flight, `w_prev`, beside the core's own)
+    core_fwd = eager_attention_forward(run, plain, "none")
+    if mode != "none":
+        core_fwd = where(last_plain, core_fwd, eager_attention_forward(run, ck_terms, mode))
+    attn_fwd = base - last_layer + w_prev + core_fwd
     # a fully checkpointed last layer's MLP (its no-grad forward), on top of everything held with its input
     ck_mlp_fwd = ck_down_fwd = _NEVER
     if mode == "full" and not off:
