@@ -2572,7 +2572,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # the layers' moments: everything held but what the loss and LM head free
     base = held - head_freed - head_held  # (forward: the head has not run)
     base_bwd = base + head_held
-    parts = (base, plain_layers, unit_layers, plain_bytes, kept_bytes, layer_tr, at_layer, 0)
+    post = base_bwd - one_layer + w_prev + _residual_grad_bytes(run)  # the end of a layer's backward
+    # (offloading: the layer ends' base, without the resident layer, `offloaded_post_at`)
+    parts = (base, plain_layers, unit_layers, plain_bytes, kept_bytes, layer_tr, at_layer, post - w_prev)
     layer_bwd = _offloaded_layer_at(parts, 0) if off else base_bwd + at_first_layer
     # a later micro-batch's: also the down projection's new weight gradient beside `.grad` (the pipelining receive
     # buffer holds the incoming gradient on all but the last stage)
@@ -2641,8 +2643,6 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         # and the quantized LM head's input, the final norm's output (lit-gpt's head chunks are views of it)
         graph_held = unit_held - where(first & first_kept, _graph_held_first_layer_fix(run, plain), 0) + head_held
     detail["graph_held_inputs_transient"] = graph_held
-    post = base_bwd - one_layer + w_prev + _residual_grad_bytes(run)
-    parts = parts[:-1] + (post - w_prev,)  # (offloading: the layer ends' base, `offloaded_post_at`)
     mixed = None
     if mode in ("full", "op") and not off and (tr.recompute_layers is not None or tr.recompute_every is not None):
         # plain and checkpointed layers: each layer's moments from the saved sets above it (the average layer of
