@@ -16,7 +16,7 @@ from memcalc.cost.params import stage_layers, total_params, zero1_worst_dp_index
 from memcalc.cost.timeline import CATEGORIES, StageMemory, stage_memory
 from memcalc.specs import Run
 
-SCHEMA_VERSION = "1.28"
+SCHEMA_VERSION = "1.29"
 
 
 class _Out(BaseModel):
