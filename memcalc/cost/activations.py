@@ -754,14 +754,22 @@ def _head_live(run: Run) -> Num:
     head's input (the norm output), saved or not (a frozen head saves none, but its matmul reads it). A chunked
     loss's model applies the head to sequence chunks (`tensor_split(8, dim=1)`); with micro-batch > 1 a chunk is
     not contiguous and the matmul copies it: a trainable head saves the copies (`output_layer_input`) while the
-    norm output is still referenced, a frozen one frees each copy after its matmul (the largest chunk's)."""
+    norm output is still referenced, a frozen one frees each copy after its matmul (the largest chunk's).
+    Under autocast (fp32 weights) the final norm's output is fp32, like the stream (`_stream_bytes`), and every
+    matmul of the head casts its input: the whole input (full loss) or each chunk, contiguous or not, the same
+    copies in the compute dtype (measured by the harness: AMP with a chunked loss and full recompute, the last
+    chunk's matmul 0.7% above the forward's loss moment, which had counted the norm output in bf16)."""
     c, _, _, tok_in = _shape(run)
     h = run.model.hidden
-    head_in = c * tok_in * h
+    ac = _autocast(run)
+    head_in = _stream_bytes(run, c) * tok_in * h
+    saved_all = c * tok_in * h
     copies = 0
     if run.training.loss not in ("full", "fused"):
-        copies = head_in if _head_saves_input(run) else c * run.micro_batch * _loss_chunking(run)[1] * h
-        copies = where(run.micro_batch > 1, copies, 0)
+        copies = saved_all if _head_saves_input(run) else c * run.micro_batch * _loss_chunking(run)[1] * h
+        copies = where((run.micro_batch > 1) | (ac == 1), copies, 0)
+    else:
+        copies = where(ac == 1, saved_all, 0)
     return last_stage_terms(run)["final_norm"] + head_in + copies
 
 

@@ -306,7 +306,8 @@ def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
     tensors only: LoRA's frozen base is already stored in the compute dtype (states.frozen_bytes), so only the fp32
     adapters are cast; --freeze keeps fp32 weights, all cast."""
     cb = DTYPE_BYTES[run.recipe.compute_dtype]
-    fwd_only = frozenset({"forward", "forward_layer", "forward_layer_end"})
+    # (the autocast cache holds every copy until the region exits after the loss: the LM head's matmul included)
+    fwd_only = frozenset({"forward", "forward_head", "forward_layer", "forward_layer_end"})
     phases = fwd_only if run.training.recompute in ("full", "op") else FWD_BWD
     t = run.training
     elems = n_train if t.lora_rank is not None else matmul_weight_elems(run, stage)
