@@ -1164,6 +1164,9 @@ class StageActivations:
     # torch pipelining under the step's autocast region: one finished layer's compute-dtype weight gradients,
     # waiting for their cast nodes to the end of a later backward (`late_dw`; 0 elsewhere)
     late_layer_dw_bytes: Num = 0
+    # the first layer's attention-core backward in a later micro-batch (as `backward_later_layer_bytes` to
+    # `backward_layer_bytes`; _NEVER with one micro-batch or where the core's moment is not modelled)
+    backward_later_attention_bytes: Num = _NEVER
     loss_kept_bytes: Num = 0
     # the end of a layer's backward, one step earlier: its Q projection's input gradient, the last of the layer's
     # weight gradients made, beside what the layer end holds (`qkv_dgrad_extra`; 0 where not modelled)
@@ -2676,6 +2679,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_attention_bytes=attn_bwd,
         backward_later_layer_bytes=where(total_units > 1, later_layer_bwd - held + held_later + sent + late_dw
                                          + _tied_held_grad(run, stage), 0),
+        backward_later_attention_bytes=where(total_units > 1, attn_bwd - held + held_later + sent + late_dw
+                                             + _tied_held_grad(run, stage), _NEVER),
         backward_end_bytes=2 * _tied_held_grad(run, stage) + _tied_sum_bytes(run, stage),
         backward_root_bytes=_fsdp_root_backward(run),
         backward_later_end_bytes=where(total_units > 1, later_end, _NEVER),
