@@ -1697,6 +1697,17 @@ def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]
     return where(run.cp > 1, _NEVER, at_act), where(run.cp > 1, _NEVER, at_down)
 
 
+def _math_scaled_q(run: Run) -> Num:
+    """SDPA's math fallback (`eager_core` without `--attention eager`) scales Q before its score matmul
+    (`_scaled_dot_product_attention_math`: `q * scaling_factor`): with autograd the matmul saves that tensor (the `q`
+    term); in a core run without grad (checkpointed) it is a local beside the scores to the core's end, c tok a/t d.
+    Measured by the harness: one fp32 tok x h under at a checkpointed core's moments before (forward -0.5%)."""
+    if not eager_core(run) or run.training.attention == "eager":
+        return 0
+    c, tok, _, _ = _shape(run)
+    return c * tok * run.model.head_dim * (run.model.heads // run.tp)
+
+
 def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
     """Eager attention's forward moment inside the last layer, beyond what is held when that layer starts: the
     terms before the core (`terms`, the layer's saved set in `mode`; its live locals norm output, Q, K, V where a
@@ -1734,6 +1745,7 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
         # (tests/test_validate_attention.py)
         rep = heads if m.kv_heads < m.heads else 0
         before = before + f32 * (4 - c) * tok * m.head_dim * (heads + kv + rep)
+        before = before + _math_scaled_q(run)
     elif mode == "selective":
         # the core runs checkpointed: its inputs Q, K, V are saved (`terms`), the matmuls' copies are not kept, and
         # under GQA the repetitions of K and V are its locals
@@ -1741,6 +1753,7 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
         before = before + (2 * c * tok * m.head_dim * heads if m.kv_heads < m.heads else 0)
         # (q/k norms under AMP: the saved K is fp32, and so is its repetition, `_fp32_core_inputs`)
         before = before + (f32 * (4 - c) * tok * m.head_dim * heads if m.kv_heads < m.heads else 0)
+        before = before + _math_scaled_q(run)
         originals = 0
     else:
         before = sum(x for k, x in terms.items() if k in _UP_TO_CORE and k not in _CORE)
@@ -2622,7 +2635,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             # the value matmul's backward, before the softmax's, `attention_backward`), and its output, which the
             # recomputation leaves referenced
             gqa = m.kv_heads < m.heads
-            copies = _qk_copied(run) * (plain["q"] + (0 if gqa else plain["k"])) + (
+            # (SDPA's math fallback saves its scaled Q, always a new tensor: `_math_scaled_q`)
+            q_copied = where(_math_scaled_q(run) > 0, 1, _qk_copied(run))
+            copies = q_copied * plain["q"] + _qk_copied(run) * (0 if gqa else plain["k"]) + (
                 plain["k"] + plain["v"] if gqa else 0)
             back = sum(plain.get(k, 0) for k in _CORE) + copies + plain["attn_output"]
             attn_bwd = where(plain_layers >= 1, attn_bwd, base_bwd + own_pair + _residual_grad_bytes(run) + back + rec)
