@@ -352,7 +352,9 @@ def test_pipelined_fsdp_zero3_copy_outs_and_the_cool_down():
     sm = stage_memory(r, 0)
     bwd = live(sm, "backward")
     assert bwd["buffers"] - sm.buffers_detail["cublas_workspaces"] == 2 * 918_016 + 131_072 + 918_016 + 8_192 + 512
-    assert sum(bwd.values()) - sm.buffers_detail["cublas_workspaces"] == 12_743_680  # -0.16% of the measured
+    # +164 B of the measured: the peak is that layer's end one matmul early, at its Q projection's input gradient
+    # (`qkv_dgrad_extra`, a later micro-batch's since 2026-11-27; 12,743,680, -0.16%, at the end itself before)
+    assert sum(bwd.values()) - sm.buffers_detail["cublas_workspaces"] == 12_764_224
 
     # 1F1B's warm-up and cool-down by stage: PP4, m 4 - stage 0 (3 warm-up forwards) re-gathers in no later
     # backward; stage 3 (none) in all, and has no cool-down; GPipe's later backwards follow backwards

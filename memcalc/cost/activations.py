@@ -2465,13 +2465,17 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         # now referenced by its send)
         held_later = held_later - (units - later_units) * _interleaved_own(run, stage, s_h, last_saved)[0]
     # (torch interleaved: the last chunk's end and the first's, each without its own terms among the others held)
-    if off:
+    # (offloaded: the layers' sets are gone by the end of backward, so a single stage's end is as without offloading;
+    # measured, a tied head with grad-accum 2 was -12.7% without it; pipelined offloading not modelled)
+    if off and run.schedule == "interleaved":
         later_end, cast_grads = _NEVER, 0
     elif run.profile == "torch" and run.schedule == "interleaved":
         later_end, cast_grads = _interleaved_later_end(run, stage, held_later, (freed, first_unit), j_star, s_h,
                                                        last_saved)
     else:
         later_end, cast_grads = _later_backward_end(run, stage, held_later - freed, sent)
+        if off:
+            later_end, cast_grads = where(run.pp > 1, _NEVER, later_end), where(run.pp > 1, 0, cast_grads)
     if run.profile == "torch" and run.zero >= 2 and not off:
         # torch pipelining over FSDP2: the first backward's end holds the other micro-batches in flight too, with the
         # same accumulated gradients and unsharded units as a later one's (`_later_backward_end`)
@@ -2575,7 +2579,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     detail["cp_ring_kv_transient"] = ring_bwd
     detail["pipeline_sent_transient"] = sent
     detail["later_backward_end_grads_transient"] = where(total_units > 1, cast_grads, 0)
-    later_head, head_dw = _later_head_backward(run, stage, held_later + w_last + sent) if not off else (_NEVER, 0)
+    later_head, head_dw = _later_head_backward(run, stage, held_later + w_last + sent)
     detail["later_head_weight_grad_transient"] = where(total_units > 1, head_dw, 0)
     one_layer = 0 if off else unit_bytes // imax(unit_layers, 1)  # a layer's share of what `held` counts
     # the forward's last layer, not yet run at its own moments: its saved set, plain or a checkpoint, where the unit
