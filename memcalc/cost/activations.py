@@ -764,7 +764,6 @@ def _head_live(run: Run) -> Num:
     ac = _autocast(run)
     head_in = _stream_bytes(run, c) * tok_in * h
     saved_all = c * tok_in * h
-    copies = 0
     if run.training.loss not in ("full", "fused"):
         copies = saved_all if _head_saves_input(run) else c * run.micro_batch * _loss_chunking(run)[1] * h
         copies = where((run.micro_batch > 1) | (ac == 1), copies, 0)
