@@ -1053,7 +1053,9 @@ def test_a_later_head_backward_and_a_tied_head_hold_a_second_head_gradient():
     kw = dict(layers=2, hidden=64, heads=4, ffn=176, vocab=8192, seq=8, optimizer="sgd", precision="fp32")
     untied = stage_activations(build_run(RunOptions(**kw, grad_accum=2)), 0)
     assert untied.detail["later_head_weight_grad_transient"] == 2_097_152
-    assert untied.backward_end_bytes == 0
+    # (the end of backward, untied: the embedding's output gradient, 8 tokens x 64 x 4 B, beside its new dense
+    # gradient, which becomes `.grad`: `_first_backward_end`)
+    assert untied.backward_end_bytes == 8 * 64 * 4
     tied1 = build_run(RunOptions(**kw, grad_accum=1, tied_embeddings=True))
     tied2 = build_run(RunOptions(**kw, grad_accum=2, tied_embeddings=True))
     assert stage_activations(tied1, 0).backward_end_bytes == 2 * 2_097_152
