@@ -1113,7 +1113,7 @@ class StageActivations:
     # as at its start, the layer's transients on top (0 with one micro-batch)
     backward_later_layer_bytes: Num
     # the end of the first backward beyond what the loop keeps: a tied head's held gradient and the embedding's,
-    # whose sum becomes `.grad` (`_tied_held_grad`)
+    # whose sum becomes `.grad`, or the embedding's output gradient beside its dense one (`_first_backward_end`)
     backward_end_bytes: Num
     # FSDP2 (pp = 1): the root unit's backward, before its post-backward: the embedding's dense gradient, and a
     # tied head's sum of it with the held one (`_fsdp_root_backward`; _NEVER elsewhere)
@@ -1971,7 +1971,8 @@ def _first_backward_end(run: Run, stage: Num) -> Num:
     embedding's output gradient beside its new dense gradient (`_embedding_grad_in`; untied, that gradient becomes
     `.grad` itself; tied, it and the held one are live, `.grad` not yet). Measured by the harness: AMP with full
     recompute, the fp32 stream gradient, -0.6% of the backward (4 layers, seq 2048, SGD) before."""
-    held, total = _tied_held_grad(run, stage), 2 * _tied_held_grad(run, stage) + _tied_sum_bytes(run, stage)
+    held = _tied_held_grad(run, stage)
+    total = 2 * held + _tied_sum_bytes(run, stage)
     t = run.training
     if run.profile != "torch" or t.lora_rank is not None or "embeddings" in t.freeze:
         return total
