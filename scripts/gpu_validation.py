@@ -12,8 +12,9 @@ prediction is `memcalc estimate` for the same run, GPU terms included (cuBLAS wo
 reserved figure). A probe first records the facts of this GPU and torch build that the cost model assumes.
 
 The JSON written on the GPU machine is kept as docs/data/validation-cuda.json (H100; rows 32-47 and reruns of 4, 8
-and 11 as docs/data/validation-cuda-h200.json, run on an H200 with `--only`); scripts/validation_matrix.py renders
-them into docs/validation.md (`record_section`).
+and 11 as docs/data/validation-cuda-h200.json, run on an H200 with `--only`; rows 48-59 as
+docs/data/validation-cuda-3.json, an H100 again); scripts/validation_matrix.py renders them into docs/validation.md
+(`record_section`).
 """
 
 from __future__ import annotations
@@ -179,6 +180,45 @@ def configurations() -> list[tuple[str, dict[str, Any], str, str | None]]:
         ("Mistral-7B full fine-tune, pure bf16, selective recompute, mb 1 x seq 4096",
          dict(model="mistral-7b", precision="bf16", master_weights=False, recompute="selective", seq=4096,
               micro_batch=1, gpu="h200"), "real", None),
+        # rows 48-59 (a third GPU session, docs/data/validation-cuda-3*.json): what sessions without a GPU modelled
+        # since: Gemma 2's post norms and softcaps, Qwen3's q/k norms, MLA's latent norms under AMP, the later
+        # micro-batches of gradient accumulation (FSDP2, offloading, a single GPU), AMP with a chunked loss, and
+        # fp32 GQA's math fallback re-run under selective recompute
+        ("Gemma-2-2B, 4 layers (post norms, attention and logit softcaps, 256k vocabulary), pure bf16, eager, seq 2048",
+         dict(model="gemma-2-2b", layers=4, precision="bf16", master_weights=False, attention="eager", seq=2048,
+              micro_batch=1, gpu="h100-sxm"), "real", None),
+        ("Qwen3-8B, 4 layers (q/k norms), bf16 AMP, seq 4096",
+         dict(model="qwen3-8b", layers=4, precision="bf16", seq=4096, micro_batch=1, gpu="h100-sxm"), "real", None),
+        ("Llama-2-7B FSDP2 ZeRO-3, 8 GPUs, seq 2048, full AC, 2 micro-batches accumulated",
+         dict(model="llama-2-7b", gpus=8, zero=3, precision="bf16", seq=2048, recompute="full", grad_accum=2,
+              gpu="h100-sxm"), "fake", None),
+        ("Llama-3.2-1B, bf16 AMP (fp32 params), chunked loss, full AC, mb 2 x seq 4096",
+         dict(model="llama-3.2-1b", precision="bf16", loss="chunked", recompute="full", seq=4096, micro_batch=2,
+              gpu="h100-sxm"), "real", None),
+        ("4-layer h2048 GQA, pure bf16, full recompute, activation offloading, 2 micro-batches accumulated",
+         dict(MID, precision="bf16", master_weights=False, recompute="full", offload_activations=True,
+              grad_accum=2), "real", None),
+        ("4-layer h2048 GQA, single GPU, fp32, selective recompute", dict(MID, precision="fp32",
+                                                                          recompute="selective"), "real", None),
+        ("DeepSeek-V2-Lite, 3 layers (MLA, 1 dense + 2 MoE of 64 experts top-6), bf16 AMP, seq 2048",
+         dict(model="deepseek-v2-lite", layers=3, precision="bf16", seq=2048, micro_batch=1, gpu="h100-sxm"),
+         "real", None),
+        ("Gemma-2-9B FSDP2 ZeRO-3, 8 GPUs, bf16 mixed precision, eager attention, seq 4096, full AC",
+         dict(model="gemma-2-9b", gpus=8, zero=3, precision="bf16", attention="eager", seq=4096, recompute="full",
+              gpu="h100-sxm"), "fake", None),
+        ("Qwen3-8B TP 2 + SP, pure bf16, seq 4096, full AC",
+         dict(model="qwen3-8b", gpus=2, tp=2, sp=True, precision="bf16", master_weights=False, seq=4096,
+              recompute="full", gpu="h100-sxm"), "fake", None),
+        ("4-layer h2048 GQA, single GPU, bf16 AMP, 2 micro-batches accumulated", dict(MID, precision="bf16",
+                                                                                      grad_accum=2), "real", None),
+        # rows 58-59: AMP with nn.RMSNorm on a linear's bf16 output (an fp32 weight): torch's composite norm, found by
+        # row 49 (its forward was -0.90%) and the probe's `rms_norm_autocast_*` readings
+        ("Gemma-2-2B, 4 layers (post norms, both softcaps), bf16 AMP, eager, seq 2048",
+         dict(model="gemma-2-2b", layers=4, precision="bf16", attention="eager", seq=2048, micro_batch=1,
+              gpu="h100-sxm"), "real", None),
+        ("Qwen3-8B, 4 layers (q/k norms), bf16 AMP, selective recompute, seq 4096",
+         dict(model="qwen3-8b", layers=4, precision="bf16", recompute="selective", seq=4096, micro_batch=1,
+              gpu="h100-sxm"), "real", None),
     ]
 
 
@@ -235,6 +275,21 @@ def probe() -> dict[str, Any]:
             r.sum().backward()
         out["rms_norm_backward_ops"] = o.names
         del x, g, r
+        # nn.RMSNorm under CUDA autocast (AutocastCUDA lists rms_norm as fp32) on a bf16 input with an fp32 weight:
+        # Qwen3's per-head q norm (4-d), a Gemma post norm (a linear's output), MLA's latent norm: ops, output dtype,
+        # and what autograd saves (bytes, dtype, shape)
+        for key, shape in (("per_head", (1, 4096, 32, 128)), ("hidden", (1, 4096, 4096)), ("latent", (1, 2048, 512))):
+            x = torch.randn(*shape, device="cuda", dtype=bf, requires_grad=True)
+            norm = torch.nn.RMSNorm(shape[-1], eps=1e-6, device="cuda")
+            held: list[Any] = []
+            with torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: (held.append([t.nbytes, str(t.dtype), list(t.shape)]), t)[1], lambda t: t):
+                with torch.autocast("cuda", dtype=bf), Ops() as o:
+                    r = norm(x)
+            out[f"rms_norm_autocast_{key}_ops"] = o.names
+            out[f"rms_norm_autocast_{key}_saved"] = held
+            out[f"rms_norm_autocast_{key}_out_dtype"] = str(r.dtype)
+            del x, norm, r
         # SDPA, bf16, causal, GQA (32 query heads, 8 KV heads): the backend, what it saves, the backward's scratch
         b, s, hq, hk, d = 1, 4096, 32, 8, 128
         q = torch.randn(b, hq, s, d, device="cuda", dtype=bf, requires_grad=True)
@@ -480,6 +535,35 @@ def h200_section(data: dict[str, Any], expandable: dict[str, Any]) -> list[str]:
     return out
 
 
+def third_section(data: dict[str, Any], expandable: dict[str, Any]) -> list[str]:
+    """Markdown for the third record (rows 48-59, an H100 again)."""
+    pr = data["probe"]
+    out = ["", f"### On an {pr.get('device', '?')}, rows 48-59 ({data.get('date', '?')})", "",
+           f"The same script on one {pr.get('device', '?')} (torch {pr.get('torch', '?')}, CUDA {pr.get('cuda', '?')}), "
+           "recorded in docs/data/validation-cuda-3.json and docs/data/validation-cuda-3-expandable.json and held by "
+           "tests/test_cuda_record.py: what sessions without a GPU had modelled since (Gemma 2's post norms and "
+           "softcaps, Qwen3's q/k norms, MLA's latent norms under AMP, the later micro-batches of gradient "
+           "accumulation under FSDP2, offloading and on one GPU, AMP with a chunked loss, fp32 GQA under selective "
+           "recompute). Rows 2, 4, 8, 14, 15, 21 and 22 were run again first: the same bytes as their records. "
+           "Found here: nn.RMSNorm under AMP on a linear's bf16 output (an fp32 weight) runs torch's composite, "
+           "not the fused kernel (the probe below): it saves the normalized fp32 tensor too and returns bf16 "
+           "(row 49's forward was -0.90%; rows 58-59 ran after the fix). With the default allocator, "
+           "`max_memory_allocated()` counts whole blocks, up to 1 MiB above a request that a cached block serves "
+           "unsplit (c10/cuda/CUDACachingAllocator.cpp, `should_split`): the MoE row 54's tensors of every size "
+           "make that 1.4-1.6 GiB (-4.6%), which the replay of the run's own allocations reproduces (35.082 GiB "
+           "against 35.079) and expandable segments do not show (-0.00%).", ""]
+    out += _table(data, False)
+    out += ["", "With `expandable_segments:True`:", ""]
+    out += _table(expandable, True)
+    out += ["", "nn.RMSNorm under CUDA autocast, a bf16 input and an fp32 weight (the probe; bytes, dtype, shape of "
+            "each saved tensor):", ""]
+    for k in ("per_head", "hidden", "latent"):
+        if f"rms_norm_autocast_{k}_ops" in pr:
+            out.append(f"- `{k}`: ops {pr[f'rms_norm_autocast_{k}_ops']}, output "
+                       f"{pr[f'rms_norm_autocast_{k}_out_dtype']}, saved {pr[f'rms_norm_autocast_{k}_saved']}")
+    return out
+
+
 def record_section() -> list[str]:
     """The section from the committed records (empty when there is none)."""
     if not RECORD.exists():
@@ -490,6 +574,10 @@ def record_section() -> list[str]:
     if h200.exists():
         out += h200_section(json.loads(h200.read_text()),
                             json.loads(h200.with_name("validation-cuda-h200-expandable.json").read_text()))
+    third = RECORD.with_name("validation-cuda-3.json")
+    if third.exists():
+        out += third_section(json.loads(third.read_text()),
+                             json.loads(third.with_name("validation-cuda-3-expandable.json").read_text()))
     return out
 
 

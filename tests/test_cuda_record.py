@@ -373,19 +373,21 @@ def test_allocator_replay_matches_the_h200_reserved(row):
         assert abs(rep["expandable_reserved_peak_bytes"] - x) <= xbar * x, (rep["expandable_reserved_peak_bytes"], x)
 
 
-@pytest.mark.parametrize("records, allocator", [((DEFAULT, H200), "default"),
-                                                ((EXPANDABLE, H200_EXPANDABLE), "expandable")])
+@pytest.mark.parametrize("records, allocator", [((DEFAULT, H200, "third"), "default"),
+                                                ((EXPANDABLE, H200_EXPANDABLE, "third-expandable"), "expandable")])
 def test_the_reserved_error_band_covers_the_records(records, allocator):
     """`memory.tight` (fragmentation.RESERVED_SHORTFALL_FRACTION) says a fit is inside the model's measured error
     when the headroom is below that share of the peak. The share must cover what the records measured:
-    max_memory_reserved() <= memcalc's reserved x (1 + share) on every recorded run but the H100's MoE row 28
-    (+22.4%, not replayable). Worst now: +12.08% on the default allocator (H200 rows 33 and 36, memcalc -10.8%),
+    max_memory_reserved() <= memcalc's reserved x (1 + share) on every recorded run (rows 48-59 too) but the H100's
+    MoE row 28 (+22.4%, not replayable). Worst now: +12.08% on the default allocator (H200 rows 33 and 36, memcalc -10.8%),
     +4.62% with expandable segments (H100 row 23)."""
     from memcalc.cost.fragmentation import RESERVED_SHORTFALL_FRACTION
 
     share = RESERVED_SHORTFALL_FRACTION[allocator]
     worst = 0.0
     for data in records:
+        if isinstance(data, str):  # the third record (defined below)
+            data = THIRD if data == "third" else THIRD_EXPANDABLE
         for e in data["results"]:
             if "report" not in e or (data is DEFAULT and e["id"] == 28):
                 continue
@@ -394,3 +396,91 @@ def test_the_reserved_error_band_covers_the_records(records, allocator):
     assert worst <= share
     # and the share is no wider than the records need (a margin of under 1 point)
     assert share - worst < 0.01, (share, worst)
+
+
+# --- the third record: rows 48-59 on an H100 (scripts/gpu_validation.py, docs/validation.md "rows 48-59")
+THIRD = json.loads((ROOT / "docs/data/validation-cuda-3.json").read_text())
+THIRD_EXPANDABLE = json.loads((ROOT / "docs/data/validation-cuda-3-expandable.json").read_text())
+# the default allocator counts whole blocks in max_memory_allocated(): a large-pool block is split only when more
+# than 1 MiB would remain (c10/cuda/CUDACachingAllocator.cpp should_split), so a request up to 1 MiB below a
+# cached block's size is charged the whole block. Tensors of every size (a mixture of experts' routed batches)
+# make that the row's error; the row's expandable-segments run (splits at 512 B) is within 0.1%
+THIRD_ALLOCATED_MISSES = {
+    54: "-4.6% to -5.2%: DeepSeek-V2-Lite's MoE under AMP, 1.4-1.6 GiB of whole-block charges (the replay of the "
+        "run's own allocations gives 35,082,247,680 B against 35,079,411,712 measured); -0.1% with expandable "
+        "segments",
+}
+THIRD_RESERVED_MISSES = {
+    53: "-9.8%: fp32 GQA under selective recompute, the math fallback's s x s blocks carve the segments (as row 41)",
+    54: "-7.6%: the MoE row's blocks of every size (as row 28); not replayable on fake tensors",
+    58: "-9.7%: Gemma 2's 256k-vocabulary fp32 logits and eager scores carve the segments; not attributed",
+    48: "-7.4%: as row 58 (pure bf16)",
+}
+
+
+def test_the_third_record_ran_the_scripts_configurations_on_an_h100():
+    assert THIRD["probe"]["device"] == THIRD_EXPANDABLE["probe"]["device"] == "NVIDIA H100 80GB HBM3"
+    assert [e["id"] for e in THIRD["results"]] == [e["id"] for e in THIRD_EXPANDABLE["results"]] == list(
+        range(48, 60))
+    assert all("report" in e for e in THIRD["results"] + THIRD_EXPANDABLE["results"])
+    confs = gv.configurations()
+    for e in THIRD["results"] + THIRD_EXPANDABLE["results"]:
+        label, opts, world = confs[e["id"] - 1][:3]
+        assert e["label"] == label and e["world"] == world
+        assert e["opts"] == (dict(opts, allocator="expandable") if e in THIRD_EXPANDABLE["results"] else opts)
+
+
+def test_rmsnorm_under_autocast_on_a_bf16_input_runs_torchs_composite():
+    """The probe on the H100: nn.RMSNorm(128) on a (1, 4096, 32, 128) bf16 input with its fp32 weight under CUDA
+    autocast runs the composite (upcast, pow, mean, add_, rsqrt, mul, mul, downcast), saves three fp32 tensors of
+    the input's size (its copy twice, the same storage, and the normalized one) beside the rstd, and returns bf16:
+    what `activations._output_norm_saved` counts (8 bytes an element and the rstd) and the harness runs."""
+    pr = THIRD["probe"]
+    assert pr["rms_norm_autocast_per_head_ops"] == ["_to_copy", "pow", "mean", "add_", "rsqrt", "mul", "mul",
+                                                    "_to_copy"]
+    assert pr["rms_norm_autocast_per_head_out_dtype"] == "torch.bfloat16"
+    big = [s for s in pr["rms_norm_autocast_per_head_saved"] if s[0] == 4 * 4096 * 32 * 128]
+    assert len(big) == 3 and all(s[1] == "torch.float32" for s in big)
+    # a residual-stream norm (fp32 input, fp32 weight) keeps the fused kernel
+    assert pr["rms_norm_ops"] == ["_fused_rms_norm"]
+
+
+@pytest.mark.parametrize("e", _rows(THIRD, THIRD_ALLOCATED_MISSES))
+def test_third_record_allocated_within_0_6pct_in_every_phase(e):
+    """`max_memory_allocated()` per phase against memcalc on rows 48-59: within 0.6% (the largest: FSDP2 ZeRO-3 with
+    two micro-batches accumulated, -0.59% in its optimizer phase, whose all-gather and reduce-scatter blocks are
+    charged whole; -0.00% there with expandable segments)."""
+    p = gv.predict(e["opts"])
+    for name, ph in e["report"]["cuda"]["phases"].items():
+        assert abs(_err(p["phases"][name], ph["measured"])) <= 0.006, (name, p["phases"][name], ph["measured"])
+
+
+@pytest.mark.parametrize("e", _rows(THIRD_EXPANDABLE, {}))
+def test_third_record_expandable_allocated_within_0_25pct_in_every_phase(e):
+    """With expandable segments (blocks split to 512 B, so nothing is charged above the request), rows 48-59 in every
+    phase within 0.25%: the q/k-norm rows 49 and 59 and Gemma 2's AMP row 58 to within 6 KB (row 49's forward was
+    -0.90% while the model took nn.RMSNorm's fused kernel); the MoE row 54 -0.10%, TP 2 + SP's backward -0.22%
+    (CUDA's embedding_dense_backward scratch, about tokens x h x 4 B, not modelled)."""
+    p = gv.predict(e["opts"], expandable=True)
+    for name, ph in e["report"]["cuda"]["phases"].items():
+        assert abs(_err(p["phases"][name], ph["measured"])) <= 0.0025, (name, p["phases"][name], ph["measured"])
+    if e["id"] in (49, 58, 59):
+        for name, ph in e["report"]["cuda"]["phases"].items():
+            assert abs(p["phases"][name] - ph["measured"]) <= 6 * 1024, (name, p["phases"][name], ph["measured"])
+
+
+def test_the_moe_rows_allocated_gap_is_the_allocators_whole_blocks():
+    """Row 54 on the default allocator: the replay of the run's own allocations through the caching allocator's
+    policy (memcalc/validate/allocator.py) charges whole blocks as the GPU does and lands within 0.01% of
+    `max_memory_allocated()`, 1.5 GiB above memcalc's tensor bytes; the same run with expandable segments is within
+    0.1% of memcalc."""
+    e = next(e for e in THIRD["results"] if e["id"] == 54)
+    c, replay = e["report"]["cuda"], e["report"]["measured"]["allocator_replay"]
+    assert abs(_err(replay["allocated_peak_bytes"], c["measured_peak_bytes"])) < 0.0001
+    assert c["measured_peak_bytes"] - gv.predict(e["opts"])["allocated"] > 1.4 * 2**30
+
+
+@pytest.mark.parametrize("e", _rows(THIRD, THIRD_RESERVED_MISSES))
+def test_third_record_default_allocator_reserved_within_7pct(e):
+    m, p = gv.measured(e), gv.predict(e["opts"])
+    assert abs(_err(p["reserved"], m["reserved"])) <= 0.07, (p["reserved"], m["reserved"])

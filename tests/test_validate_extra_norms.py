@@ -2,10 +2,11 @@
 Qwen3 / Gemma 3's q and k norms (`ModelSpec.qk_norm`), measured by the harness on the CPU.
 
 Post norms: The prediction's whole-step error with them equals the same layer's without them to
-within 64 bytes, in every phase, under fp32, AMP (whose fused norm runs in fp32 on CUDA: the harness casts the
-linear's bf16 output first, as autocast does), pure bf16 with the eager fp32 RMSNorm, full recompute, TP 2 + SP
-(their weight gradients all-reduced over TP, every collective to the byte) and a 2-stage 1F1B pipeline (whose peak
-is a layer's MLP backward, after the MLP output's norm has freed what it saved)."""
+within 64 bytes, in every phase, under fp32, AMP (where nn.RMSNorm gets the linear's bf16 output and an fp32 weight
+and runs torch's composite, on CUDA as on the CPU: read on an H100, docs/validation.md), pure bf16 with the eager
+fp32 RMSNorm, full recompute and TP 2 + SP (their weight gradients all-reduced over TP, every collective to the
+byte). In a 2-stage 1F1B pipeline under AMP the peak is the MLP output's norm's composite backward, which the model
+bounds from above (by 22 KB, 0.31%, not attributed)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def test_post_norms_add_no_error(opts):
             for post in (False, True)}
     base, post = _gap(reps[False]), _gap(reps[True])
     for k, v in base.items():
+        if opts.get("pp", 1) > 1 and k in ("forward-backward", "peak"):
+            # the composite norm's backward moment (`activations.composite_norm_backward`): an upper bound here
+            measured = reps[True]["measured"]["phases"]["forward-backward"]["peak_bytes"]
+            assert 0 <= post[k] - v <= 0.0035 * measured, (k, post[k], v, measured)
+            continue
         assert abs(post[k] - v) <= 64, (k, post[k], v)
     assert reps[True]["within_tolerance"]
     for c in reps[True]["collectives"]:
@@ -53,8 +59,9 @@ def test_post_norms_add_no_error(opts):
 
 
 def test_post_norm_terms_by_hand():
-    """One layer's post-norm terms for 2 x 4096 tokens of h = 3584 (Gemma 2 9B's width): AMP with the fused norm
-    saves the fp32 cast of the linear's bf16 output and the fp32 rstd, 4 x 8192 x 3584 + 4 x 8192 = 117,473,280 B
+    """One layer's post-norm terms for 2 x 4096 tokens of h = 3584 (Gemma 2 9B's width): AMP with nn.RMSNorm (a bf16
+    input, an fp32 weight: torch's composite, read on an H100, docs/validation.md) saves an fp32 copy of the
+    linear's bf16 output, the fp32 normalized tensor and the fp32 rstd, 8 x 8192 x 3584 + 4 x 8192 = 234,913,792 B
     each; the eager fp32 RMSNorm in pure bf16 the fp32 copy, rstd and the bf16 normalized tensor, 4 x 8192 x 3584 +
     4 x 8192 + 2 x 8192 x 3584 = 176,193,536 B."""
     from memcalc.cost.activations import layer_terms
@@ -62,7 +69,7 @@ def test_post_norm_terms_by_hand():
     gemma = dict(layers=42, hidden=3584, heads=16, kv_heads=8, head_dim=256, ffn=14336, vocab=256000)
     amp = _run_model(gemma, precision="bf16", seq=4096, micro_batch=2)
     t = layer_terms(amp)
-    assert t["attn_post_norm"] == t["mlp_post_norm"] == 4 * 8192 * 3584 + 4 * 8192 == 117_473_280
+    assert t["attn_post_norm"] == t["mlp_post_norm"] == 8 * 8192 * 3584 + 4 * 8192 == 234_913_792
     eager = _run_model(gemma, precision="bf16", master_weights=False, norm_impl="fp32", seq=4096, micro_batch=2)
     t = layer_terms(eager)
     assert t["attn_post_norm"] == 4 * 8192 * 3584 + 4 * 8192 + 2 * 8192 * 3584 == 176_193_536
@@ -76,10 +83,10 @@ def _run_model(shape, **opts):
 
 @pytest.mark.parametrize("opts", [
     dict(precision="fp32", seq=256),
-    dict(precision="bf16", seq=512),  # AMP: the fused norms return fp32; SDPA casts q and k back
+    dict(precision="bf16", seq=512),  # AMP: torch's composite norms (fp32 inside, bf16 out)
     dict(precision="bf16", seq=512, master_weights=False, norm_impl="fp32"),
     dict(precision="bf16", seq=512, recompute="full"),
-    dict(precision="bf16", seq=512, recompute="selective"),  # the core's saved q, k: fp32 under AMP
+    dict(precision="bf16", seq=512, recompute="selective"),  # the core's saved q, k as the norms return them
     dict(precision="bf16", seq=512, master_weights=False, lora_rank=4, lora_targets="attn"),
     dict(precision="bf16", seq=256, gpus=2, tp=2, sp=True),
     dict(precision="bf16", seq=256, gpus=2, pp=2, grad_accum=4),
@@ -104,16 +111,19 @@ def test_qk_norms_add_no_error(opts):
     assert reps[True]["measured"]["peak_bytes"] > reps[False]["measured"]["peak_bytes"]
 
 
+@pytest.mark.parametrize("norm_impl", ["fp32", "fused"], ids=["hf-eager-norm", "nn-rmsnorm"])
 @pytest.mark.parametrize("kv", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
-def test_qk_norms_with_eager_attention_under_amp(kv, dropout):
-    """Eager attention (HF's eager_attention_forward) under AMP with q/k norms: the norms return fp32, so q and k
-    reach the core in fp32 (the score matmul saves its casts while the fp32 tensors stay referenced, under GQA K's
-    fp32 repetition with them) and `softmax(dtype=float32).to(q.dtype)` keeps fp32 probabilities (dropout's output
-    fp32, cast again by the value matmul; in backward its gradient upcast beside dropout's). 2 layers, seq 512.
-    Without those the forward was 2.0-2.2% low and, with dropout, the forward 15% and the backward 6.4% low (the
-    peak 7.3%); now every phase and the peak are within 0.05%."""
-    opts = dict(precision="bf16", seq=512, attention="eager", dropout=dropout, shape=dict(layers=2, kv_heads=kv))
+def test_qk_norms_with_eager_attention_under_amp(kv, dropout, norm_impl):
+    """Eager attention (HF's eager_attention_forward) under AMP with q/k norms. HF's eager Qwen3RMSNorm (`--norm-impl
+    fp32`) returns fp32 (its fp32 weight times the normalized tensor), so q and k reach the core in fp32 (the score
+    matmul saves its casts while the fp32 tensors stay referenced, under GQA K's fp32 repetition with them) and
+    `softmax(dtype=float32).to(q.dtype)` keeps fp32 probabilities (dropout's output fp32, cast again by the value
+    matmul; in backward its gradient upcast beside dropout's). Without those the forward was 2.0-2.2% low and, with
+    dropout, the forward 15% and the backward 6.4% low (the peak 7.3%). nn.RMSNorm's composite returns bf16, and
+    the core is as without the norms. 2 layers, seq 512: every phase and the peak within 0.05%."""
+    opts = dict(precision="bf16", seq=512, attention="eager", dropout=dropout, norm_impl=norm_impl,
+                shape=dict(layers=2, kv_heads=kv))
     rep = validate(_run(True, "qk_norm", **opts), device="cpu", world="real", steps=1, timeout=240)
     for r in rep["rows"]:
         if r["section"] == "phases":
@@ -125,8 +135,10 @@ def test_qk_norm_terms_and_qwen3_params_by_hand():
     """Qwen3-8B's config.json (hidden 4096, 36 layers, 32 query and 8 KV heads of 128, MLP 12288, vocab 151936,
     untied): per layer q 4096^2 + k, v 2 x 4096 x 1024 + o 4096^2 = 41,943,040, q/k norms 2 x 128, MLP 3 x 4096 x
     12288 = 150,994,944, two norms 8192 -> 192,946,432; x 36 + embedding and head 2 x 151936 x 4096 + final norm
-    4096 = 8,190,735,360 (8.2B on the model card). One layer's q/k norms for 4096 tokens under AMP: the fp32 cast
-    of 40 head vectors of 128 per token and their rstd, 4 x 4096 x 40 x 128 + 4 x 4096 x 40 = 84,541,440 B."""
+    4096 = 8,190,735,360 (8.2B on the model card). One layer's q/k norms for 4096 tokens under AMP (torch's
+    composite: an fp32 copy and the fp32 normalized tensor of 40 head vectors of 128 per token, and their rstd):
+    8 x 4096 x 40 x 128 + 4 x 4096 x 40 = 168,427,520 B (the H100 row 49 measured the 4 x 4096 x 40 x 128 of the
+    normalized tensor per layer that the fused kernel's model missed: docs/validation.md)."""
     from memcalc.cost.activations import layer_terms
     from memcalc.cost.params import total_params
     from memcalc.presets import model_from_hf_config
@@ -142,4 +154,4 @@ def test_qk_norm_terms_and_qwen3_params_by_hand():
     run = run_of(layers=36, hidden=4096, heads=32, kv_heads=8, ffn=12288, vocab=151936, precision="bf16", seq=4096)
     run = resolve(ModelSpec(**{**run.model.model_dump(), "qk_norm": True}), run.training, ParallelSpec(gpus=1),
                   run.hardware, run.profile)
-    assert layer_terms(run)["qk_norm"] == 4 * 4096 * 40 * 128 + 4 * 4096 * 40 == 84_541_440
+    assert layer_terms(run)["qk_norm"] == 8 * 4096 * 40 * 128 + 4 * 4096 * 40 == 168_427_520

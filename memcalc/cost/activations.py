@@ -83,14 +83,31 @@ def _norm_saved(run: Run, c: int, tok_sp: Num, stats: Num) -> tuple[Num, Num | N
 def _output_norm_saved(run: Run, c: int, elems: Num, stats: Num) -> Num:
     """Bytes saved by a norm whose input is a linear's output in the compute dtype (`elems` elements), with the
     fp32 statistics `stats`: Gemma 2/3's post norms on the attention and MLP outputs (`ModelSpec.post_norms`) and
-    Qwen3 / Gemma 3's per-head q and k norms (`qk_norm`). Fused (an aten norm kernel): under autocast CUDA runs
-    rms_norm and layer_norm in fp32 (aten/src/ATen/autocast_mode.cpp registers AutocastCUDA for them), so it saves
-    an fp32 cast of the input, else the input itself. Eager fp32 RMSNorm (`--norm-impl fp32`, HF Qwen3RMSNorm): the
-    fp32 copy and, when the weight trains, the normalized tensor cast back to the compute dtype. What follows the
-    q/k norms (rotary, then SDPA's saved q and k, cast to the compute dtype under autocast) is as without them."""
+    Qwen3 / Gemma 3's per-head q and k norms (`qk_norm`).
+    - nn.RMSNorm under torch AMP: the input is bf16 and the weight fp32, a pair aten's fused kernel refuses
+      (aten/src/ATen/native/layer_norm.cpp, "Mismatch dtype between input and weight"; AutocastCUDA does not cast
+      rms_norm), so torch's composite runs: it saves an fp32 copy of the input, rstd and the normalized fp32
+      tensor (for the weight's gradient), and returns the compute dtype. Read on an H100 (torch 2.11,
+      scripts/gpu_validation.py's probe: 3 x 64 MiB fp32 for a 4096-token Qwen3 q, one the rstd-sized pair).
+    - LayerNorm under autocast: CUDA runs layer_norm in fp32 (aten/src/ATen/autocast_mode.cpp), saving an fp32
+      cast of the input; elsewhere the input itself.
+    - Eager fp32 RMSNorm (`--norm-impl fp32`, HF Qwen3RMSNorm): the fp32 copy and, when the weight trains, the
+      normalized tensor cast back to the compute dtype; the fp32 weight times it returns fp32 under AMP
+      (`_fp32_norm_output`).
+    What follows the q/k norms (rotary, then SDPA's saved q and k) is as without them, but for that fp32 output."""
     if run.training.norm_impl == "fp32" and run.model.norm == "rmsnorm":
         return 4 * elems + stats + (c * elems if run.training.lora_rank is None else 0)
-    return _stream_bytes(run, c) * elems + stats
+    composite = 4 * _autocast(run) * elems if run.model.norm == "rmsnorm" else 0
+    return _stream_bytes(run, c) * elems + composite + stats
+
+
+def _fp32_norm_output(run: Run) -> Num:
+    """1 where a q/k norm returns fp32 (HF's eager Qwen3RMSNorm / Gemma3RMSNorm, `--norm-impl fp32`, under torch
+    AMP: its fp32 weight times the normalized tensor cast back), else 0 (elementwise). nn.RMSNorm's composite
+    returns the input's dtype (`_output_norm_saved`)."""
+    if run.training.norm_impl != "fp32" or run.model.norm != "rmsnorm":
+        return 0
+    return _autocast(run)
 
 
 def _shape(run: Run) -> tuple[int, Num, Num, Num]:
@@ -266,13 +283,13 @@ def _latent_norm(run: Run, c: int, tok: Num, w: int, whole: int | None = None) -
     `whole`: HF's kv latent is a `split` view of the down projection's output (kv_lora_rank + qk_rope_dim wide), so
     a norm that saves its input as given (fused, or the fp32 form in fp32, where `.float()` returns the input
     itself) keeps that whole output alive (measured: docs/validation.md, the MLA rows). A fused norm under torch
-    AMP runs in fp32 (CUDA's autocast, as for the post norms: `_output_norm_saved`): it saves an fp32 cast of the
-    latent, not the view, and returns fp32, which the up projection casts back and saves."""
+    AMP (fp32 weight, bf16 latent) runs torch's composite (`_output_norm_saved`): it saves an fp32 copy of the
+    latent (not the view), rstd and the normalized fp32 tensor, and returns bf16, which the up projection saves."""
     whole = w if whole is None or run.profile == "megatron" else whole
     if run.profile != "megatron" and run.training.norm_impl == "fp32":
         return 4 * tok * (whole if c == 4 else w) + 4 * tok + 2 * c * tok * w
     fused = c * tok * whole + c * tok * w + 4 * tok
-    return where(_autocast(run) == 1, 4 * tok * w + c * tok * w + 4 * tok, fused)
+    return where(_autocast(run) == 1, 8 * tok * w + c * tok * w + 4 * tok, fused)
 
 
 def _mla_terms(run: Run, out: dict[str, Num]) -> None:
@@ -431,9 +448,10 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         out["qk_norm"] = _output_norm_saved(run, c, rows * d, 4 * rows)
         if recompute == "selective":
             # the checkpointed core's saved inputs are q and k as the norms return them, through rotary: fp32
-            # under autocast (the core's own matmuls or SDPA cast them inside); measured by the harness
+            # from HF's eager norm under autocast (the core's own matmuls or SDPA cast them inside); measured by
+            # the harness
             for x in ("q", "k"):
-                out[x] = out[x] + _autocast(run) * out[x] * (4 - c) // c
+                out[x] = out[x] + _fp32_norm_output(run) * out[x] * (4 - c) // c
     d_v = m.mla.v_head_dim if m.mla is not None else d
     # Rotary: q*cos + rotate_half(q)*sin saves only cos/sin (per micro-batch, shared by all layers; counted once
     # per stage in `stage_terms`), not the pre-rotary q/k: nothing per layer.
@@ -1594,11 +1612,31 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
     down_cast = (terms or {}).get("amp_weight_casts_down", 0)
     mlp = imax(factors * c * tokens * f_t - down_cast, grad_in + dq + adapter + _sp_gathered_grad(run))
     if m.post_norms:
-        # the MLP output's norm (Gemma 2/3) runs its backward first and frees what it saved (`mlp_post_norm`)
-        mlp = mlp - (layer_terms(run) if terms is None else terms).get("mlp_post_norm", 0)
+        # the MLP output's norm (Gemma 2/3) runs its backward first and frees what it saved (`mlp_post_norm`);
+        # under AMP that backward is torch's composite (`composite_norm_backward`), a moment of its own
+        mlp = imax(mlp - (layer_terms(run) if terms is None else terms).get("mlp_post_norm", 0),
+                   composite_norm_backward(run, tok_sp_of(run) * m.hidden, _fp32_norm_stats(run) * tok_sp_of(run)))
     if run.profile == "megatron":
         return stream + mlp
     return stream + imax(mlp - stream_in_buffer, attention_backward(run, terms))
+
+
+def tok_sp_of(run: Run) -> Num:
+    """Tokens of one micro-batch on this rank in the sequence-parallel region (`_shape`'s tok_sp)."""
+    return _shape(run)[2]
+
+
+def composite_norm_backward(run: Run, elems: Num, stats: Num) -> Num:
+    """The backward of an nn.RMSNorm that runs torch's composite (a compute-dtype input, an fp32 weight: under
+    torch AMP, `_output_norm_saved`) on `elems` elements, beyond what the layer saved and the residual stream's
+    gradient: its highest moment is the square's backward (`grad * (2 * x.pow(1))`, three fp32 tensors), with the
+    rstd product's input gradient and the mean's expanded gradient live beside them (5 x 4 bytes an element),
+    after the weight multiply's backward has freed the saved normalized tensor (4 bytes an element) and the rsqrt's
+    backward the statistics (`stats` bytes): 16 bytes an element less the statistics. From autograd's formulas (tools/autograd/derivatives.yaml: pow, mean, mul); measured to the byte by
+    the harness, which runs the same aten ops on the CPU. 0 where the norm runs a fused kernel."""
+    if run.training.norm_impl == "fp32" or run.model.norm != "rmsnorm":
+        return 0
+    return _autocast(run) * (16 * elems - stats)
 
 
 def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed: bool = False) -> Num:
@@ -1814,13 +1852,12 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
 
 
 def _fp32_core_inputs(run: Run) -> Num:
-    """Hugging Face's eager attention under torch AMP with q/k norms: the norms return fp32 (`qk_norm`), so q and k
-    reach the core in fp32, the score matmul casts them (its saved `q`, `k`), and `softmax(dtype=float32).to(q.dtype)`
-    leaves the probabilities in fp32 (HF's Qwen3RMSNorm and Gemma3RMSNorm return fp32 there as well: an fp32
-    weight times the normalized tensor). 1 or 0 (`_autocast`'s, elementwise)."""
+    """Hugging Face's eager attention under torch AMP with HF's eager q/k norms: the norms return fp32
+    (`_fp32_norm_output`), so q and k reach the core in fp32, the score matmul casts them (its saved `q`, `k`), and
+    `softmax(dtype=float32).to(q.dtype)` leaves the probabilities in fp32. 1 or 0 (elementwise)."""
     if not (run.model.qk_norm and run.training.attention == "eager" and run.profile == "torch"):
         return 0
-    return _autocast(run)
+    return _fp32_norm_output(run)
 
 
 def _attn_softcap(run: Run) -> bool:

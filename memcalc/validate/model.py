@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -76,21 +77,24 @@ class _FusedRMSNorm(torch.autograd.Function):
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm with the saved tensors and the allocations of its fused CUDA kernel on every device (see
     `_FusedRMSNorm`); the cost model counts the input and the fp32 rstd (memcalc/cost/activations.py
-    `_fp32_norm_stats`)."""
+    `_fp32_norm_stats`). An input whose dtype is not the weight's (a linear's bf16 output under AMP, fp32 weight)
+    is refused by the fused kernel (aten/src/ATen/native/layer_norm.cpp: "Mismatch dtype between input and
+    weight") and runs torch's composite on every device, autocast or not (AutocastCUDA does not cast rms_norm:
+    read on an H100 with torch 2.11, scripts/gpu_validation.py's probe): an fp32 copy of the input, rstd and the
+    normalized fp32 tensor are saved, and the output is cast back to the input's dtype
+    (`activations._output_norm_saved`)."""
 
-    def __init__(self, *a: Any, autocast_fp32: bool = False, **kw: Any) -> None:
+    def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.untracked: Any = contextlib.nullcontext  # the harness sets its tracker's pause
-        # CUDA's autocast runs rms_norm in fp32 (AutocastCUDA is registered for aten::rms_norm), casting a
-        # lower-precision input first; the CPU stand-in does the same where the input can be narrower than fp32
-        # (the post norms, which read a linear's output; the other norms read the fp32 residual stream)
-        self.autocast_fp32 = autocast_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # the real kernel: its allocations are what max_memory_allocated sees
-            return super().forward(x)
-        if self.autocast_fp32 and x.dtype != torch.float32 and torch.is_autocast_enabled(x.device.type):
-            x = x.float()
+        if self.weight is not None and x.dtype != self.weight.dtype:
+            with warnings.catch_warnings():  # torch says why it takes the composite, once per process
+                warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+                return super().forward(x)  # the same aten ops on every device
+        if x.is_cuda:
+            return super().forward(x)  # the real kernel: its allocations are what max_memory_allocated sees
         return _FusedRMSNorm.apply(x, self.weight, self.eps, self.untracked)
 
 
@@ -110,9 +114,9 @@ class EagerRMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def _norm(m: ModelSpec, impl: str = "fused", autocast_fp32: bool = False) -> nn.Module:
+def _norm(m: ModelSpec, impl: str = "fused") -> nn.Module:
     if m.norm == "rmsnorm":
-        return EagerRMSNorm(m.hidden) if impl == "fp32" else RMSNorm(m.hidden, eps=1e-6, autocast_fp32=autocast_fp32)
+        return EagerRMSNorm(m.hidden) if impl == "fp32" else RMSNorm(m.hidden, eps=1e-6)
     return nn.LayerNorm(m.hidden, eps=1e-5)
 
 
@@ -238,8 +242,8 @@ class Attention(nn.Module):
         # Qwen3 / Gemma 3 (modeling_qwen3.py Qwen3Attention): q_norm and k_norm over each head before rotary; the
         # fused form casts a bf16 input to fp32 under autocast, as CUDA's autocast does for rms_norm
         per_head = m.model_copy(update={"hidden": d})
-        self.q_norm = _norm(per_head, norm_impl, autocast_fp32=True) if m.qk_norm else None
-        self.k_norm = _norm(per_head, norm_impl, autocast_fp32=True) if m.qk_norm else None
+        self.q_norm = _norm(per_head, norm_impl) if m.qk_norm else None
+        self.k_norm = _norm(per_head, norm_impl) if m.qk_norm else None
         self.cp_group: Any = None  # all-to-all context parallelism (Ulysses) over this group when set
         self.softcap = 50.0 if m.attn_softcap else 0.0  # Gemma 2's attn_logit_softcapping (its config's), eager only
 
@@ -383,12 +387,12 @@ class LatentAttention(nn.Module):
         qk = self.nope + self.rope
         if x.q_lora_rank:
             self.q_a = nn.Linear(h, x.q_lora_rank, bias=False)
-            self.q_norm = _norm(m.model_copy(update={"hidden": x.q_lora_rank}), norm_impl, autocast_fp32=True)
+            self.q_norm = _norm(m.model_copy(update={"hidden": x.q_lora_rank}), norm_impl)
             self.q_b = nn.Linear(x.q_lora_rank, a * qk, bias=False)
         else:
             self.q = nn.Linear(h, a * qk, bias=False)
         self.kv_a = nn.Linear(h, self.rank + self.rope, bias=False)
-        self.kv_norm = _norm(m.model_copy(update={"hidden": self.rank}), norm_impl, autocast_fp32=True)
+        self.kv_norm = _norm(m.model_copy(update={"hidden": self.rank}), norm_impl)
         self.kv_b = nn.Linear(self.rank, a * (self.nope + self.v_dim), bias=False)
         self.o = nn.Linear(a * self.v_dim, h, bias=False)
         self.cp_group: Any = None
@@ -494,12 +498,12 @@ class Block(nn.Module):
             self.attn = Attention(m, kernel, dropout, selective, qkv_impl, gqa_impl, norm_impl)
         # Gemma 2/3 (modeling_gemma2.py Gemma2DecoderLayer): x + post_attention_norm(attn(norm1 x)), then
         # + post_feedforward_norm(mlp(norm2 .)); registered in the order the forward uses them
-        self.post_attn = _norm(m, norm_impl, autocast_fp32=True) if m.post_norms else None
+        self.post_attn = _norm(m, norm_impl) if m.post_norms else None
         self.block = m.block
         self.norm2 = _norm(m, norm_impl) if m.block != "parallel-shared-norm" else None
         # an MoE model's first layers may keep a dense MLP of m.ffn (DeepSeek's first_k_dense_replace)
         self.mlp = MLP(m, dropout) if m.moe is None or dense else MoE(m, dropout)
-        self.post_mlp = _norm(m, norm_impl, autocast_fp32=True) if m.post_norms else None
+        self.post_mlp = _norm(m, norm_impl) if m.post_norms else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         if self.block == "sequential":
