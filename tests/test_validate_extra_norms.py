@@ -4,9 +4,9 @@ Qwen3 / Gemma 3's q and k norms (`ModelSpec.qk_norm`), measured by the harness o
 Post norms: The prediction's whole-step error with them equals the same layer's without them to
 within 64 bytes, in every phase, under fp32, AMP (where nn.RMSNorm gets the linear's bf16 output and an fp32 weight
 and runs torch's composite, on CUDA as on the CPU: read on an H100, docs/validation.md), pure bf16 with the eager
-fp32 RMSNorm, full recompute and TP 2 + SP (their weight gradients all-reduced over TP, every collective to the
-byte). In a 2-stage 1F1B pipeline under AMP the peak is the MLP output's norm's composite backward, which the model
-bounds from above (by 22 KB, 0.31%, not attributed)."""
+fp32 RMSNorm, full recompute, TP 2 + SP (their weight gradients all-reduced over TP, every collective to the
+byte) and a 2-stage 1F1B pipeline under AMP (whose peak is the MLP output's norm's composite backward, before the
+down projection's compute-dtype weight gradient waits: `activations.composite_norm_backward`)."""
 
 from __future__ import annotations
 
@@ -43,11 +43,6 @@ def test_post_norms_add_no_error(opts):
             for post in (False, True)}
     base, post = _gap(reps[False]), _gap(reps[True])
     for k, v in base.items():
-        if opts.get("pp", 1) > 1 and k in ("forward-backward", "peak"):
-            # the composite norm's backward moment (`activations.composite_norm_backward`): an upper bound here
-            measured = reps[True]["measured"]["phases"]["forward-backward"]["peak_bytes"]
-            assert 0 <= post[k] - v <= 0.0035 * measured, (k, post[k], v, measured)
-            continue
         assert abs(post[k] - v) <= 64, (k, post[k], v)
     assert reps[True]["within_tolerance"]
     for c in reps[True]["collectives"]:
@@ -155,3 +150,33 @@ def test_qk_norm_terms_and_qwen3_params_by_hand():
     run = resolve(ModelSpec(**{**run.model.model_dump(), "qk_norm": True}), run.training, ParallelSpec(gpus=1),
                   run.hardware, run.profile)
     assert layer_terms(run)["qk_norm"] == 8 * 4096 * 40 * 128 + 4 * 4096 * 40 == 168_427_520
+
+
+@pytest.mark.parametrize("opts, phase", [
+    (dict(layers=4, ffn=768, vocab=256), "backward"),
+    (dict(layers=4, ffn=768, vocab=256, grad_accum=2), "backward"),
+    (dict(layers=3, ffn=256, vocab=128, recompute="full"), "forward"),
+], ids=["first-micro-batch", "later-micro-batch", "full-recompute-forward"])
+def test_post_norms_composite_moments_under_amp(opts, phase):
+    """Gemma 2's post norms under AMP run torch's composite RMSNorm (a bf16 input, an fp32 weight). Its backward
+    peaks at the square's backward, three fp32 tensors beside the rstd product's input gradient and the mean's
+    expanded gradient, 16 bytes an element beyond the saved set less the freed normalized tensor and rstd, before the
+    down projection makes its weight gradient (`activations.composite_norm_backward`, `_down_wgrad_bytes`): h 512,
+    1024 tokens, ffn 768, vocab 256, where it is the backward's peak (+0.62% while the down gradient was counted
+    made; a later micro-batch's likewise). Under full recompute the re-run forward's MLP output norm holds the
+    composite's fp32 copy, normalized tensor and product at once (`checkpointed_mlp_forward`: -4.7% without). Each
+    within 0.01% of the harness's measurement."""
+    from memcalc.cost import activations
+
+    shape = dict(hidden=512, heads=4, **{k: opts.pop(k) for k in ("layers", "ffn", "vocab")})
+    run = _run(True, shape=shape, precision="bf16", seq=1024, **opts)
+    rep = validate(run, device="cpu", world="real", steps=1, timeout=240)
+    row = next(r for r in rep["rows"] if r["section"] == "phases" and r["name"] == phase)
+    assert abs(row["predicted"] - row["measured"]) <= 0.0001 * row["measured"], row
+    if phase == "backward":
+        # the layer's highest moment is the composite's: the residual stream's fp32 gradient, 16 B an element less
+        # the statistics, less the down projection's fp32 weight gradient not made yet (h (f - 1) x 4 B)
+        tok, h, f = 1024, 512, 768
+        dw = activations._down_wgrad_bytes(run, 0)
+        assert dw == 4 * h * (f - 1)
+        assert activations.layer_backward_transient(run, dw_made=dw) == 4 * tok * h + 16 * tok * h - 4 * tok - dw

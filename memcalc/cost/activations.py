@@ -37,6 +37,7 @@ from memcalc.cost.params import (
     interleave_rounds,
     layer_params,
     mlp_width,
+    norm_params,
     padded_vocab,
     pipelined_fsdp,
     plain_on_top,
@@ -1568,7 +1569,8 @@ def _recomputed_down_matmul(run: Run) -> Num:
     return common + imax(scratch, c * tok * f_t) + mlp_input
 
 
-def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stream_in_buffer: Num = 0) -> Num:
+def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stream_in_buffer: Num = 0,
+                             dw_made: Num = 0) -> Num:
     """Bytes a layer's backward holds beyond the saved activations at its highest moment (the MLP's backward,
     which runs first): the incoming gradient of the residual stream (its dtype, sharded like it under SP), the
     down projection's input gradient and, for SwiGLU, the gradients of both factors of the product while the
@@ -1579,7 +1581,9 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
     timeline. The attention core's backward (`attention_backward`, from the layer's `terms` where the caller has
     them), later in the layer, is the other candidate. `stream_in_buffer`: the part of the incoming gradient that
     is not a new allocation at the MLP's moment (torch pipelining's receive buffer), not at the core's (by then
-    the MLP's input gradient has been added to it)."""
+    the MLP's input gradient has been added to it). `dw_made`: the down projection's weight gradient where the
+    caller counts it as made by the layer's moment (a first micro-batch's: `_down_wgrad_bytes`); the MLP output's
+    composite norm runs its backward before it."""
     m = run.model
     c, tok, _, _ = _shape(run)
     stream = _residual_grad_bytes(run)
@@ -1615,10 +1619,23 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
         # the MLP output's norm (Gemma 2/3) runs its backward first and frees what it saved (`mlp_post_norm`);
         # under AMP that backward is torch's composite (`composite_norm_backward`), a moment of its own
         mlp = imax(mlp - (layer_terms(run) if terms is None else terms).get("mlp_post_norm", 0),
-                   composite_norm_backward(run, tok_sp_of(run) * m.hidden, _fp32_norm_stats(run) * tok_sp_of(run)))
+                   composite_norm_backward(run, tok_sp_of(run) * m.hidden, _fp32_norm_stats(run) * tok_sp_of(run))
+                   - dw_made)
     if run.profile == "megatron":
         return stream + mlp
     return stream + imax(mlp - stream_in_buffer, attention_backward(run, terms))
+
+
+def _down_wgrad_bytes(run: Run, stage: Num) -> Num:
+    """A layer's down projection weight gradient as a first backward counts it made at the layer's MLP moment
+    (timeline `_first_grads`: the gradient dtype, none with --freeze), where the composite post norm's backward
+    (`composite_norm_backward`) runs before it. Only where that norm runs: torch AMP (no FSDP2 sharding, no
+    LoRA: `_autocast`), so the gradients are plain."""
+    if run.training.freeze or not run.model.post_norms:
+        return 0
+    # (less the norm's own weight gradient, made by then: its weight multiply's backward)
+    down = first_backward_grad_elems(run, stage)[1] - scaled(run, norm_params(run.model))
+    return _autocast(run) * DTYPE_BYTES[run.recipe.grad_dtype] * down
 
 
 def tok_sp_of(run: Run) -> Num:
@@ -1708,7 +1725,8 @@ def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]
     the projection's output c tok h (partial under TP) and the collective's new tensor, an all-reduce's output
     c tok h or, under SP, the reduce-scatter's concatenated input c tok h and its output c tok_sp h
     (`_row_parallel_collective`). Under autocast the down projection's weight copy is made between the two
-    (timeline, `buffers.amp_casts_after_last_mlp`). Derived from the harness's op order (Hugging Face's and
+    (timeline, `buffers.amp_casts_after_last_mlp`); with post norms under AMP the output's composite norm
+    after it. Derived from the harness's op order (Hugging Face's and
     torchtitan's MLPs have the same) and measured by it (tests/test_validate_forward.py). Without them the forward phase of
     a fully recomputed model whose loss is small was 1-12% low (a 4-layer toy, vocab 512), 59% at Llama-3.1-70B's
     width over TP 8 + SP. `_NEVER` (not modelled) for MoE, MLA, parallel blocks, LoRA, quantized bases, dropout,
@@ -1731,6 +1749,13 @@ def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]
     width = c * tok * f_t
     at_act = held + (3 if m.mlp == "swiglu" else 2) * width
     at_down = held + width + c * tok * h + _row_parallel_collective(run, all_reduce=True)
+    if m.post_norms and m.norm == "rmsnorm" and t.norm_impl != "fp32":
+        # Gemma 2/3: the MLP output's norm after the down projection, whose output (c tok_sp h) it reads beside the
+        # attention half's sum (the MLP norm's output is freed): under AMP torch's composite holds its fp32 copy,
+        # the normalized tensor and their weight product at once (`_output_norm_saved`), 12 bytes an element, and
+        # rstd. Measured by the harness (a 3-layer model, full recompute: the forward was 7 bytes an element low)
+        at_post = plain["mlp_norm"] + c * tok_sp * h + _autocast(run) * (12 * tok_sp * h + 4 * tok_sp)
+        at_down = imax(at_down, at_post)
     return where(run.cp > 1, _NEVER, at_act), where(run.cp > 1, _NEVER, at_down)
 
 
@@ -2319,7 +2344,10 @@ def _late_chunk_moments(run: Run, stage: Num, units: Num, unit_bytes: Num, one_l
     grad_in = _residual_grad_bytes(run)
     # its last layer's output gradient arrives in the receive buffer on every rank (the chunk's output goes to the
     # next stage), as on a stage other than the last (`recv_stream`)
-    at_first = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, grad_in), remat), dense_at), re_run)
+    # (the composite post norm's moment comes before the down projection's waiting gradient, `late_dw`)
+    dw_made = late_dw if run.model.post_norms else 0
+    at_first = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, grad_in, dw_made), remat),
+                         dense_at), re_run)
     at = imax(at_first + piped_dw, _layer_moment(mode, where(later_dw > 0, later_dw - grad_in, 0), remat))
     layer = held_k + at + sent_k + late_dw
     post = held_k - one_layer + grad_in + sent_k + late_dw
@@ -2500,8 +2528,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # forward, so in a later backward they run after everything else, and each weight's compute-dtype gradient
     # waits for its cast until the stage's backward ends; at the first layer's MLP moment, the down projection's
     # (buffers.py `_amp_casts_step_cache`; measured, row 43)
-    late_dw = where(run.pp > 1, _autocast(run) * DTYPE_BYTES[run.recipe.compute_dtype]
-                    * first_backward_grad_elems(run, stage)[1], 0)
+    late_down = where(run.pp > 1, _autocast(run) * DTYPE_BYTES[run.recipe.compute_dtype]
+                      * first_backward_grad_elems(run, stage)[1], 0)
+    late_dw = late_down
     # ... and every layer that backward has finished leaves all its weights' gradients so (biases aside; dense
     # layers without LoRA: `saved_cast_elems`), which the later layers' moments hold (timeline)
     late_layer_dw = 0
@@ -2581,7 +2610,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     if run.profile == "megatron":
         head_bwd_tr = imax(head_bwd_tr, where(last, _megatron_head_backward(run), 0))
     bwd_tr = imax(imax(loss_bwd, core_tr), head_bwd_tr)
-    layer_tr = layer_backward_transient(run, plain)
+    # (a first micro-batch's: each layer's down weight gradient is counted made at its moment, `_down_wgrad_bytes`)
+    dw_first = _down_wgrad_bytes(run, stage)
+    layer_tr = layer_backward_transient(run, plain, dw_made=dw_first)
     # a checkpointed QLoRA layer's re-run forward, at its last dequantization
     re_run = 0
     if mode in ("full", "op") and _dequantizes(tr) and tr.base_dtype == "nf4":
@@ -2605,8 +2636,13 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # torch pipelining, every stage but the last: the stage's last layer (the first in backward) gets its output's
     # gradient in the receive buffer (`pipeline_recv_buffers`), not in a new tensor; the later layers' is new
     recv_stream = where(last, 0, _residual_grad_bytes(run)) if run.profile == "torch" and not off else 0
-    at_first_layer = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream), remat),
-                               dense_at), re_run)
+    at_first_layer = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream, dw_first),
+                                             remat), dense_at), re_run)
+    # a later micro-batch's (every weight gradient held in `.grad` already; under torch pipelining the down
+    # projection's compute-dtype gradient counted waiting, `late_dw`, is not made by the composite norm's moment)
+    dw_later = where(m.post_norms, late_down, 0) if not off else 0
+    at_later_layer = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream, dw_later),
+                                             remat), dense_at), re_run)
     layer_k_extra = at_layer - at_first_layer  # added back for the stage's later layers (timeline `acts_at`)
     # the logits at the LM head's matmul; a model that returns them upcast (`--keep-logits fp32`) makes the fp32
     # copy right there, while the loop still holds the previous micro-batch's (in `base`)
@@ -2673,7 +2709,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     piped_dw = where(pipelined_fsdp(run) == 1, c * first_backward_grad_elems(run, 0)[1], 0) if (
         m.moe is None and tr.lora_rank is None and run.recipe.compute_copy) else 0
     later_layer_bwd = layer_bwd if off else base_bwd + imax(
-        at_first_layer + piped_dw, _layer_moment(mode, where(later_dw > 0, later_dw - recv_stream, 0), remat))
+        at_later_layer + piped_dw, _layer_moment(mode, where(later_dw > 0, later_dw - recv_stream, 0), remat))
     attn = attention_backward(run, plain)
     # (offloaded: for an eager core only, whose s x s tensors can outweigh the rest; a fused one's moment is below
     # the layer's, `offloaded_layer_at`)
