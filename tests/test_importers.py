@@ -581,7 +581,8 @@ def test_table_shows_the_import_and_ignored_keys(ds_file):
     code, out, err = cli("estimate", "-m", "llama-3.1-8b", "--gpus", "8", "--deepspeed-config", path)
     assert code == 0, err
     flat = " ".join(out.split())
-    assert f"imported from {path} (deepspeed)" in flat
+    # (rich may wrap the path anywhere, a long temporary directory inside it: compare without whitespace)
+    assert "".join(f"imported from {path} (deepspeed)".split()) in "".join(out.split())
     assert "ignored (unknown to memcalc): zero_optimization.flux_capacitor, frobnicate" in flat
     assert ("zero_optimization.reduce_bucket_size=500000000" in flat  # recorded, not modelled yet
             or "--reduce-bucket-size 500000000" in flat)  # once RunOptions has the field
