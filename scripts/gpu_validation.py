@@ -517,44 +517,47 @@ def cuda_section(data: dict[str, Any], expandable: dict[str, Any] | None = None)
     return out
 
 
+def _later_section(data: dict[str, Any], expandable: dict[str, Any], title: str, card: str, text: str) -> list[str]:
+    """A later record's heading (`title` after the device), its paragraph (`card`: said of the card beside its
+    torch and CUDA versions; `text`: the rest) and its two tables, the default allocator's, then expandable
+    segments'."""
+    pr = data["probe"]
+    dev = pr.get("device", "?")
+    return ["", f"### On an {dev}{title} ({data.get('date', '?')})", "",
+            f"The same script on one {dev} (torch {pr.get('torch', '?')}, CUDA {pr.get('cuda', '?')}{card}), " + text,
+            "", *_table(data, False), "", "With `expandable_segments:True`:", "", *_table(expandable, True)]
+
+
 def h200_section(data: dict[str, Any], expandable: dict[str, Any]) -> list[str]:
     """Markdown for the H200 record (rows 4, 8 and 11 again, and rows 32-47)."""
-    pr = data["probe"]
-    out = ["", f"### On an {pr.get('device', '?')} ({data.get('date', '?')})", "",
-           f"The same script on one {pr.get('device', '?')} (torch {pr.get('torch', '?')}, CUDA {pr.get('cuda', '?')}; "
-           "its probe read the same facts as the H100's), recorded in docs/data/validation-cuda-h200.json and "
-           "docs/data/validation-cuda-h200-expandable.json and held by tests/test_cuda_record.py. Rows 4, 8 and 11 "
-           "repeat H100 rows: the same bytes, allocated and reserved, on both cards. Rows 32-41 run what sessions "
-           "without a GPU had added; rows 42-47 are whole models on one GPU whose optimizer step is the compute "
-           "stream's peak, 36 one that an 80 GB card cannot hold. They moved the first optimizer step's foreach "
-           "temporaries (memcalc/cost/fragmentation.py): added on top of a step that is itself the peak, the list "
-           "was counted twice (rows 35 and 42-47 were +10% to +21% on the default allocator).", ""]
-    out += _table(data, False)
-    out += ["", "With `expandable_segments:True`:", ""]
-    out += _table(expandable, True)
-    return out
+    return _later_section(
+        data, expandable, "", "; its probe read the same facts as the H100's",
+        "recorded in docs/data/validation-cuda-h200.json and docs/data/validation-cuda-h200-expandable.json and held "
+        "by tests/test_cuda_record.py. Rows 4, 8 and 11 repeat H100 rows: the same bytes, allocated and reserved, on "
+        "both cards. Rows 32-41 run what sessions without a GPU had added; rows 42-47 are whole models on one GPU "
+        "whose optimizer step is the compute stream's peak, 36 one that an 80 GB card cannot hold. They moved the "
+        "first optimizer step's foreach temporaries (memcalc/cost/fragmentation.py): added on top of a step that is "
+        "itself the peak, the list was counted twice (rows 35 and 42-47 were +10% to +21% on the default "
+        "allocator).")
 
 
 def third_section(data: dict[str, Any], expandable: dict[str, Any]) -> list[str]:
     """Markdown for the third record (rows 48-59, an H100 again)."""
     pr = data["probe"]
-    out = ["", f"### On an {pr.get('device', '?')}, rows 48-59 ({data.get('date', '?')})", "",
-           f"The same script on one {pr.get('device', '?')} (torch {pr.get('torch', '?')}, CUDA {pr.get('cuda', '?')}), "
-           "recorded in docs/data/validation-cuda-3.json and docs/data/validation-cuda-3-expandable.json and held by "
-           "tests/test_cuda_record.py: what sessions without a GPU had modelled since (Gemma 2's post norms and "
-           "softcaps, Qwen3's q/k norms, MLA's latent norms under AMP, the later micro-batches of gradient "
-           "accumulation under FSDP2, offloading and on one GPU, AMP with a chunked loss, fp32 GQA under selective "
-           "recompute). Rows 2, 4, 8, 14, 15, 21 and 22 were run again first: the same bytes as their records. "
-           "Found here: nn.RMSNorm under AMP on a linear's bf16 output (an fp32 weight) runs torch's composite, "
-           "not the fused kernel (the probe below): it saves the normalized fp32 tensor too and returns bf16 "
-           "(row 49's forward was -0.90%; rows 58-59 ran after the fix). With the default allocator, "
-           "`max_memory_allocated()` counts whole blocks, up to 1 MiB above a request that a cached block serves "
-           "unsplit (c10/cuda/CUDACachingAllocator.cpp, `should_split`): the MoE row 54's tensors of every size "
-           "make that 1.4-1.6 GiB (-4.6%), which the replay of the run's own allocations reproduces (35.082 GiB "
-           "against 35.079) and expandable segments do not show (-0.00%).", ""]
-    out += _table(data, False)
-    out += ["", "With `expandable_segments:True`:", ""]
-    out += _table(expandable, True)
+    out = _later_section(
+        data, expandable, ", rows 48-59", "",
+        "recorded in docs/data/validation-cuda-3.json and docs/data/validation-cuda-3-expandable.json and held by "
+        "tests/test_cuda_record.py: what sessions without a GPU had modelled since (Gemma 2's post norms and "
+        "softcaps, Qwen3's q/k norms, MLA's latent norms under AMP, the later micro-batches of gradient "
+        "accumulation under FSDP2, offloading and on one GPU, AMP with a chunked loss, fp32 GQA under selective "
+        "recompute). Rows 2, 4, 8, 14, 15, 21 and 22 were run again first: the same bytes as their records. "
+        "Found here: nn.RMSNorm under AMP on a linear's bf16 output (an fp32 weight) runs torch's composite, "
+        "not the fused kernel (the probe below): it saves the normalized fp32 tensor too and returns bf16 "
+        "(row 49's forward was -0.90%; rows 58-59 ran after the fix). With the default allocator, "
+        "`max_memory_allocated()` counts whole blocks, up to 1 MiB above a request that a cached block serves "
+        "unsplit (c10/cuda/CUDACachingAllocator.cpp, `should_split`): the MoE row 54's tensors of every size "
+        "make that 1.4-1.6 GiB (-4.6%), which the replay of the run's own allocations reproduces (35.082 GiB "
+        "against 35.079) and expandable segments do not show (-0.00%).")
     out += ["", "nn.RMSNorm under CUDA autocast, a bf16 input and an fp32 weight (the probe; bytes, dtype, shape of "
             "each saved tensor):", ""]
     for k in ("per_head", "hidden", "latent"):

@@ -286,15 +286,20 @@ H200_EXPANDABLE_MISSES = {
 }
 
 
-def test_the_h200_record_ran_on_the_h200_with_the_scripts_configurations():
-    assert H200["probe"]["device"] == H200_EXPANDABLE["probe"]["device"] == "NVIDIA H200"
-    assert [e["id"] for e in H200["results"]] == [4, 8, 11, *range(32, 48)]
-    assert all("report" in e for e in H200["results"] + H200_EXPANDABLE["results"])
+def _ran_the_scripts_configurations(default, expandable, device: str, ids: list[int]) -> None:
+    """A later record (both allocators) ran on `device` the script's configurations `ids`, each as it is now."""
+    assert default["probe"]["device"] == expandable["probe"]["device"] == device
+    assert [e["id"] for e in default["results"]] == ids
+    assert all("report" in e for e in default["results"] + expandable["results"])
     confs = gv.configurations()
-    for e in H200["results"] + H200_EXPANDABLE["results"]:
+    for e in default["results"] + expandable["results"]:
         label, opts, world = confs[e["id"] - 1][:3]
         assert e["label"] == label and e["world"] == world
-        assert e["opts"] == (dict(opts, allocator="expandable") if e in H200_EXPANDABLE["results"] else opts)
+        assert e["opts"] == (dict(opts, allocator="expandable") if e in expandable["results"] else opts)
+
+
+def test_the_h200_record_ran_on_the_h200_with_the_scripts_configurations():
+    _ran_the_scripts_configurations(H200, H200_EXPANDABLE, "NVIDIA H200", [4, 8, 11, *range(32, 48)])
     # the facts the cost model assumes read the same on both cards
     for k in ("cublas_workspace_first_matmul_bytes", "sdpa_gqa_saved", "rms_norm_saved_bytes"):
         assert H200["probe"][k] == DEFAULT["probe"][k]
@@ -419,15 +424,8 @@ THIRD_RESERVED_MISSES = {
 
 
 def test_the_third_record_ran_the_scripts_configurations_on_an_h100():
-    assert THIRD["probe"]["device"] == THIRD_EXPANDABLE["probe"]["device"] == "NVIDIA H100 80GB HBM3"
-    assert [e["id"] for e in THIRD["results"]] == [e["id"] for e in THIRD_EXPANDABLE["results"]] == list(
-        range(48, 60))
-    assert all("report" in e for e in THIRD["results"] + THIRD_EXPANDABLE["results"])
-    confs = gv.configurations()
-    for e in THIRD["results"] + THIRD_EXPANDABLE["results"]:
-        label, opts, world = confs[e["id"] - 1][:3]
-        assert e["label"] == label and e["world"] == world
-        assert e["opts"] == (dict(opts, allocator="expandable") if e in THIRD_EXPANDABLE["results"] else opts)
+    _ran_the_scripts_configurations(THIRD, THIRD_EXPANDABLE, "NVIDIA H100 80GB HBM3", list(range(48, 60)))
+    assert [e["id"] for e in THIRD_EXPANDABLE["results"]] == list(range(48, 60))
 
 
 def test_rmsnorm_under_autocast_on_a_bf16_input_runs_torchs_composite():
