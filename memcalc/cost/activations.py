@@ -1649,8 +1649,10 @@ def composite_norm_backward(run: Run, elems: Num, stats: Num) -> Num:
     gradient: its highest moment is the square's backward (`grad * (2 * x.pow(1))`, three fp32 tensors), with the
     rstd product's input gradient and the mean's expanded gradient live beside them (5 x 4 bytes an element),
     after the weight multiply's backward has freed the saved normalized tensor (4 bytes an element) and the rsqrt's
-    backward the statistics (`stats` bytes): 16 bytes an element less the statistics. From autograd's formulas (tools/autograd/derivatives.yaml: pow, mean, mul); measured to the byte by
-    the harness, which runs the same aten ops on the CPU. 0 where the norm runs a fused kernel."""
+    backward the statistics (`stats` bytes): 16 bytes an element less the statistics. From autograd's formulas
+    (tools/autograd/derivatives.yaml: pow, mean, mul); measured by the harness, which runs the same aten ops on the
+    CPU, to within 10 KB (tests/test_validate_extra_norms.py). On a GPU the kernels add scratch (docs/methodology.md,
+    "Not modelled"). 0 where the norm runs a fused kernel."""
     if run.training.norm_impl == "fp32" or run.model.norm != "rmsnorm":
         return 0
     return _autocast(run) * (16 * elems - stats)
