@@ -416,10 +416,12 @@ THIRD_ALLOCATED_MISSES = {
         "segments",
 }
 THIRD_RESERVED_MISSES = {
-    53: "-9.8%: fp32 GQA under selective recompute, the math fallback's s x s blocks carve the segments (as row 41)",
+    53: "-9.8%: fp32 GQA under selective recompute, the math fallback's s x s blocks carve the segments (as row 41; "
+        "the replay is -3.9%)",
     54: "-7.6%: the MoE row's blocks of every size (as row 28); not replayable on fake tensors",
-    58: "-9.7%: Gemma 2's 256k-vocabulary fp32 logits and eager scores carve the segments; not attributed",
-    48: "-7.4%: as row 58 (pure bf16)",
+    58: "-9.7%: Gemma 2's 256k-vocabulary fp32 logits and eager scores carve the segments; the replay of the same "
+        "allocations on fake tensors has it to the byte (docs/validation.md), the fraction does not",
+    48: "-7.4%: as row 58 (pure bf16; the replay to the byte as well)",
 }
 
 
