@@ -302,7 +302,8 @@ def _workspaces(run: Run) -> dict[str, Buffer]:
 def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
     """AMP autocast: each weight is cast once per forward (autocast weight cache) and the low-precision copy is
     saved by the matmul for its backward, freed as backward passes each op. Under full (or op-level) recompute the
-    saved copies are dropped when the autocast region exits and re-cast one layer at a time. Autocast casts fp32
+    saved copies are dropped when the autocast region exits and re-cast one layer at a time (with activation
+    offloading the cache still holds the offloaded plain layers' copies on the device). Autocast casts fp32
     tensors only: LoRA's frozen base is already stored in the compute dtype (states.frozen_bytes), so only the fp32
     adapters are cast; --freeze keeps fp32 weights, all cast."""
     cb = DTYPE_BYTES[run.recipe.compute_dtype]
@@ -315,6 +316,10 @@ def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
         # the plain layers' copies are in their saved sets (activations._saved_cast_terms), without pipelining
         n = stage_layers(run, stage)
         plain = n - checkpointed_layers("full", t, n)
+        if t.offload_activations:
+            # offloaded, a plain layer's saved copies go to the host but the cache keeps the device copies through
+            # the forward: only the resident last one's are in a saved set counted on the device
+            plain = imin(plain, 1)
         elems = elems - where(run.pp == 1, plain * sum(saved_cast_elems(run)), 0)
     return Buffer(cb * elems, phases, "autocast low-precision copies of the weights")
 
