@@ -2074,8 +2074,8 @@ def _fsdp_root_backward(run: Run) -> Num:
     in the all-gather's parameter dtype) beside the root's unsharded parameters and the head's unsharded gradient
     (buffers), before the root's post-backward reshards it and reduce-scatters. A tied head's gradient waits in
     autograd's input buffer for it (`_tied_held_grad`) and the two are summed out of place: `2*c*V*h/t` bytes,
-    else `c*V*h/t` beside the embedding's output gradient. _NEVER where the embedding is frozen (LoRA, `--freeze embeddings`): the moment is then below
-    the head's backward. Measured: docs/validation.md rows 136-137."""
+    else `c*V*h/t` beside the embedding's output gradient. _NEVER where the embedding is frozen (LoRA, `--freeze
+    embeddings`): the moment is then below the head's backward. Measured: docs/validation.md rows 136-137."""
     t = run.training
     frozen = t.lora_rank is not None or "embeddings" in t.freeze
     if run.profile != "torch" or frozen:
