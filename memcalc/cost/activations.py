@@ -1619,7 +1619,7 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
         # the MLP output's norm (Gemma 2/3) runs its backward first and frees what it saved (`mlp_post_norm`);
         # under AMP that backward is torch's composite (`composite_norm_backward`), a moment of its own
         mlp = imax(mlp - (layer_terms(run) if terms is None else terms).get("mlp_post_norm", 0),
-                   composite_norm_backward(run, tok_sp_of(run) * m.hidden, _fp32_norm_stats(run) * tok_sp_of(run))
+                   composite_norm_backward(run, _shape(run)[2] * m.hidden, _fp32_norm_stats(run) * _shape(run)[2])
                    - dw_made)
     if run.profile == "megatron":
         return stream + mlp
@@ -1636,11 +1636,6 @@ def _down_wgrad_bytes(run: Run, stage: Num) -> Num:
     # (less the norm's own weight gradient, made by then: its weight multiply's backward)
     down = first_backward_grad_elems(run, stage)[1] - scaled(run, norm_params(run.model))
     return _autocast(run) * DTYPE_BYTES[run.recipe.grad_dtype] * down
-
-
-def tok_sp_of(run: Run) -> Num:
-    """Tokens of one micro-batch on this rank in the sequence-parallel region (`_shape`'s tok_sp)."""
-    return _shape(run)[2]
 
 
 def composite_norm_backward(run: Run, elems: Num, stats: Num) -> Num:
