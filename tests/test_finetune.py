@@ -262,8 +262,9 @@ def test_quantized_bases_dequantize_around_each_matmul():
     assert last_stage_terms(head)["output_layer_input"] == 10_682_368
     assert last_stage_terms(run_of(**base, quantize_head=True, quant_backend="torchao"))["output_layer_input"] == 0
     assert layer_backward_transient(plain) == 129_568_768
-    # a bf16 base copies nothing: the SwiGLU factors' gradients set the transient
-    assert layer_backward_transient(run_of(**{**base, "base_dtype": "bf16"})) == 10_682_368 + 57_417_728
+    # a bf16 base copies nothing: the SwiGLU factors' gradients set the transient, beside the down projection's
+    # input gradient, which nothing saved before it frees (the frozen down keeps no input): 3 x 28,708,864
+    assert layer_backward_transient(run_of(**{**base, "base_dtype": "bf16"})) == 10_682_368 + 86_126_592
     data = cli_json("estimate", "--model", "llama-2-7b", "--precision", "bf16", "--no-master-weights", "--seq",
                     "1304", "--lora-rank", "8", "--lora-targets", "qv", "--base-dtype", "nf4", "--quantize-head")
     assert data["inputs"]["training"]["quantize_head"] is True

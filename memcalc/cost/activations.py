@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from memcalc.cost.buffers import amp_copies_held
 from memcalc.cost.params import (
     cast_grad_elems,
     checkpointed_layers,
@@ -645,9 +646,12 @@ def first_stage_terms(run: Run) -> dict[str, Num]:
     # torch pipelining a view of the step's batch (buffers.py `pipeline_batch_tokens`)
     ids = where(run.pp > 1, 0, 8 * tok) if run.profile == "torch" else 8 * tok
     out: dict[str, Num] = {"embedding_input_ids": ids}
-    if run.dropout > 0:
-        out["embedding_dropout_mask"] = tok_sp * run.model.hidden  # Korthikanti sec. 4.3: sbh/t per micro-batch
     t = run.training
+    if run.dropout > 0 and t.lora_rank is None and "embeddings" not in t.freeze:
+        # Korthikanti sec. 4.3: sbh/t per micro-batch; none where the embedding is frozen (LoRA, --freeze
+        # embeddings): its output needs no gradient, so autograd records no dropout node to keep the mask
+        # (measured by the harness: a LoRA run with dropout was one mask high in forward)
+        out["embedding_dropout_mask"] = tok_sp * run.model.hidden
     if t.lora_rank is not None and t.recompute in ("none", "selective"):
         # LoRA freezes the embedding and the norms: the first layer's input needs no gradient, so its input norm
         # records nothing for autograd (and a LoRA dropout there keeps no mask); the adapters make the rest of
@@ -1570,7 +1574,7 @@ def _recomputed_down_matmul(run: Run) -> Num:
 
 
 def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stream_in_buffer: Num = 0,
-                             dw_made: Num = 0) -> Num:
+                             dw_made: Num = 0, dw_counted: Num = 0) -> Num:
     """Bytes a layer's backward holds beyond the saved activations at its highest moment (the MLP's backward,
     which runs first): the incoming gradient of the residual stream (its dtype, sharded like it under SP), the
     down projection's input gradient and, for SwiGLU, the gradients of both factors of the product while the
@@ -1583,7 +1587,12 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
     is not a new allocation at the MLP's moment (torch pipelining's receive buffer), not at the core's (by then
     the MLP's input gradient has been added to it). `dw_made`: the down projection's weight gradient where the
     caller counts it as made by the layer's moment (a first micro-batch's: `_down_wgrad_bytes`); the MLP output's
-    composite norm runs its backward before it."""
+    composite norm runs its backward before it. The down projection's own backward comes first: its input gradient
+    beside its output's gradient, a new compute-dtype tensor where autocast casts the stream's gradient (the
+    residual add's backward, `grad.to(dtype)`) or dropout's backward scales it, and under autocast its weight
+    gradient in the compute dtype (the cast node makes the fp32 one only after the matmul's backward), in place of
+    the `dw_counted` bytes the caller counts made there (`_down_dw_counted`). Measured by the harness: a GELU
+    MLP under AMP was 2fh - c tok h above it without this."""
     m = run.model
     c, tok, _, _ = _shape(run)
     stream = _residual_grad_bytes(run)
@@ -1611,10 +1620,20 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
             adapter = adapter - c * tokens * f_t
     # the input gradient is the matmul's output: a dequantization's own scratch comes before it
     grad_in = imax(c * tokens * f_t, dequant_scratch(run, weight))
-    # (AMP under full recompute: the down projection's saved weight cast goes with its saved input,
-    # `_saved_cast_terms`)
-    down_cast = (terms or {}).get("amp_weight_casts_down", 0)
-    mlp = imax(factors * c * tokens * f_t - down_cast, grad_in + dq + adapter + _sp_gathered_grad(run))
+    # the down projection's backward frees its saved weight cast: AMP under full recompute, in its saved set
+    # (`_saved_cast_terms`), else in the autocast copies held through backward (buffers.py `_amp_casts`)
+    down_cast = (terms or {}).get("amp_weight_casts_down", 0) + amp_copies_held(run) * c * saved_cast_elems(run)[2]
+    ac = _autocast(run)
+    out_grad = c * _shape(run)[2] * m.hidden * imax(ac, 1 if run.dropout > 0 else 0)
+    dw = 0 if run.training.freeze else ac * c * first_backward_grad_elems(run, 0)[1] - dw_counted
+    # (both after the output dropout's backward, which frees its saved mask)
+    mask = 0 if run.dropout == 0 else (layer_terms(run) if terms is None else terms).get(
+        "mlp_residual_dropout_mask", 0)
+    # (a frozen down projection whose input nothing saves, `_down_input_unsaved`: its input gradient is not net of it)
+    unsaved = 1 if _down_input_unsaved(run) else 0
+    mlp = imax(imax((factors + unsaved) * c * tokens * f_t - down_cast,
+                    grad_in + dq + adapter + _sp_gathered_grad(run) + out_grad + dw),
+               _input_projection_wgrad(run, terms, tokens, f_t)) - mask
     if m.post_norms:
         # the MLP output's norm (Gemma 2/3) runs its backward first and frees what it saved (`mlp_post_norm`);
         # under AMP that backward is torch's composite (`composite_norm_backward`), a moment of its own
@@ -1636,6 +1655,42 @@ def _down_wgrad_bytes(run: Run, stage: Num) -> Num:
     # (less the norm's own weight gradient, made by then: its weight multiply's backward)
     down = first_backward_grad_elems(run, stage)[1] - scaled(run, norm_params(run.model))
     return _autocast(run) * DTYPE_BYTES[run.recipe.grad_dtype] * down
+
+
+def _input_projection_wgrad(run: Run, terms: dict[str, Num] | None, tokens: Num, f_t: Num) -> Num:
+    """Under autocast, the MLP's first input projection's backward (up, which autograd reaches before the gate's
+    silu; GELU's fc), beyond the layer's saved set and the stream's gradient with the down projection's fp32 gradient
+    made: the cast node's fp32 weight gradient made beside the matmul's compute-dtype one, and the input gradient
+    upcast to the stream's fp32 (the input cast's backward), after the projection has freed its input and weight
+    copies and the activation's backward the product's operands (SwiGLU: the down projection's input, up's and
+    silu's outputs, silu's gradient live; GELU: the down projection's input and fc's output), and the down
+    projection its weight copy: `(4 - c)*h*f + (4 - c)*tok*h - 2c*tok*f`; SwiGLU's gate after it,
+    `2(4 - c)*h*f + (4 - 2c)*tok*h - 4c*tok*f`. The higher where weights outweigh tokens (tok < about 2h/3).
+    Single GPU / DDP at tp 1 (the copies held through backward, in the autocast buffer or a fully recomputed
+    layer's saved set), no LoRA or --freeze; else `_NEVER`. Measured by the harness op by op (toys at 128 tokens,
+    h 256: -0.16% / -0.21% of the backward before; row 155 -1.25%: tests/test_validate_mlp_backward.py)."""
+    m, t = run.model, run.training
+    held = amp_copies_held(run) + (1 if "amp_weight_casts_down" in (terms or {}) else 0)
+    if run.profile != "torch" or m.moe is not None or t.freeze or t.lora_rank is not None or _dequantizes(t):
+        return _NEVER
+    c = DTYPE_BYTES[run.recipe.compute_dtype]
+    g = DTYPE_BYTES[run.recipe.grad_dtype]
+    hf = first_backward_grad_elems(run, 0)[1]
+    moment = (g - c) * hf + (4 - c) * tokens * m.hidden - 2 * c * tokens * f_t
+    if m.mlp == "swiglu":
+        # then the gate's, after silu's backward: up's fp32 gradient made, the gate's beside its compute-dtype one,
+        # all three copies and the four c*tok*f operands freed, the two input gradients summed in fp32
+        moment = imax(moment, 2 * (g - c) * hf + (4 - 2 * c) * tokens * m.hidden - 4 * c * tokens * f_t)
+    return where((_autocast(run) == 1) & (held >= 1) & (run.tp == 1) & (run.pp == 1), moment, _NEVER)
+
+
+def _down_dw_counted(run: Run) -> Num:
+    """A first micro-batch's down projection weight gradient as the timeline counts it made at the layer's MLP
+    moment (`_first_grads`: the gradient dtype), where autocast makes it in the compute dtype first
+    (`layer_backward_transient`); 0 without autocast, where the matmul's gradient is `.grad` itself."""
+    if run.training.freeze:
+        return 0
+    return _autocast(run) * DTYPE_BYTES[run.recipe.grad_dtype] * first_backward_grad_elems(run, 0)[1]
 
 
 def composite_norm_backward(run: Run, elems: Num, stats: Num) -> Num:
@@ -1723,15 +1778,15 @@ def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]
     c tok h or, under SP, the reduce-scatter's concatenated input c tok h and its output c tok_sp h
     (`_row_parallel_collective`). Under autocast the down projection's weight copy is made between the two
     (timeline, `buffers.amp_casts_after_last_mlp`); with post norms under AMP the output's composite norm
-    after it. Derived from the harness's op order (Hugging Face's and
-    torchtitan's MLPs have the same) and measured by it (tests/test_validate_forward.py). Without them the forward phase of
-    a fully recomputed model whose loss is small was 1-12% low (a 4-layer toy, vocab 512), 59% at Llama-3.1-70B's
-    width over TP 8 + SP. `_NEVER` (not modelled) for MoE, MLA, parallel blocks, LoRA, quantized bases, dropout,
-    context parallelism, and the DeepSpeed and Megatron profiles (Megatron's MLP is fused; the harness runs the
-    torch profile only)."""
+    after it. Derived from the harness's op order (Hugging Face's and torchtitan's MLPs have the same) and measured
+    by it (tests/test_validate_forward.py). Without them the forward phase of a fully recomputed model whose loss is
+    small was 1-12% low (a 4-layer toy, vocab 512), 59% at Llama-3.1-70B's width over TP 8 + SP. With dropout,
+    the MLP output's dropout after the down projection. `_NEVER` (not modelled) for MoE, MLA, parallel blocks,
+    LoRA on the MLP, quantized bases, context parallelism, and the DeepSpeed and Megatron profiles (Megatron's MLP
+    is fused; the harness runs the torch profile only)."""
     m, t = run.model, run.training
     if (run.profile != "torch" or m.moe is not None or m.mla is not None or m.block != "sequential"
-            or t.lora_rank is not None or t.base_dtype is not None or run.dropout > 0):
+            or _mlp_in_adapted(run) or _down_adapted(run) or t.base_dtype is not None):
         return _NEVER, _NEVER
     c, tok, tok_sp, _ = _shape(run)
     h, f_t = m.hidden, cdiv(m.ffn, run.tp)
@@ -1746,6 +1801,11 @@ def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]
     width = c * tok * f_t
     at_act = held + (3 if m.mlp == "swiglu" else 2) * width
     at_down = held + width + c * tok * h + _row_parallel_collective(run, all_reduce=True)
+    if run.dropout > 0:
+        # the MLP's output dropout (native_dropout, after the collective: the product and the partial output freed):
+        # its input, its output and its bool mask, on the sequence shard under SP
+        tok_x = tok_sp if run.sp else tok
+        at_down = imax(at_down, held + (2 * c + 1) * tok_x * h)
     if m.post_norms and m.norm == "rmsnorm" and t.norm_impl != "fp32":
         # Gemma 2/3: the MLP output's norm after the down projection, whose output (c tok_sp h) it reads beside the
         # attention half's sum (the MLP norm's output is freed): under AMP torch's composite holds its fp32 copy,
@@ -2348,7 +2408,8 @@ def _late_chunk_moments(run: Run, stage: Num, units: Num, unit_bytes: Num, one_l
     # next stage), as on a stage other than the last (`recv_stream`)
     # (the composite post norm's moment comes before the down projection's waiting gradient, `late_dw`)
     dw_made = late_dw if run.model.post_norms else 0
-    at_first = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, grad_in, dw_made), remat),
+    at_first = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, grad_in, dw_made, late_dw),
+                                       remat),
                          dense_at), re_run)
     at = imax(at_first + piped_dw, _layer_moment(mode, where(later_dw > 0, later_dw - grad_in, 0), remat))
     layer = held_k + at + sent_k + late_dw
@@ -2446,7 +2507,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             d_remat = where(nd_plain > 0, 0, _remat_net(mode, d_plain, d_kept_bytes))  # the first is checkpointed
         # backward reaches the dense layers last: this micro-batch's MoE layers have freed their saved sets
         moe_freed = (plain_layers - nd_plain) * plain_bytes + (ck - nd_ck) * kept_bytes
-        d_at = _layer_moment(mode, layer_backward_transient(drun, d_plain), d_remat)
+        d_at = _layer_moment(mode, layer_backward_transient(drun, d_plain, dw_counted=_down_dw_counted(drun)),
+                             d_remat)
         dense_at = where(nd > 0, d_at - moe_freed, _NEVER)
     # activation offloading (`offload_activations`): every layer's saved set goes to host memory; the GPU keeps
     # the last layer run (`w_last`) and the one before it (`w_prev`: in forward its copy to the host is in flight
@@ -2614,7 +2676,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     bwd_tr = imax(imax(loss_bwd, core_tr), head_bwd_tr)
     # (a first micro-batch's: each layer's down weight gradient is counted made at its moment, `_down_wgrad_bytes`)
     dw_first = _down_wgrad_bytes(run, stage)
-    layer_tr = layer_backward_transient(run, plain, dw_made=dw_first)
+    dw_counted = _down_dw_counted(run)
+    layer_tr = layer_backward_transient(run, plain, dw_made=dw_first, dw_counted=dw_counted)
     # a checkpointed QLoRA layer's re-run forward, at its last dequantization
     re_run = 0
     if mode in ("full", "op") and _dequantizes(tr) and tr.base_dtype == "nf4":
@@ -2638,12 +2701,14 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # torch pipelining, every stage but the last: the stage's last layer (the first in backward) gets its output's
     # gradient in the receive buffer (`pipeline_recv_buffers`), not in a new tensor; the later layers' is new
     recv_stream = where(last, 0, _residual_grad_bytes(run)) if run.profile == "torch" and not off else 0
-    at_first_layer = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream, dw_first),
+    at_first_layer = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream, dw_first,
+                                                                            dw_counted),
                                              remat), dense_at), re_run)
     # a later micro-batch's (every weight gradient held in `.grad` already; under torch pipelining the down
     # projection's compute-dtype gradient counted waiting, `late_dw`, is not made by the composite norm's moment)
     dw_later = where(m.post_norms, late_down, 0) if not off else 0
-    at_later_layer = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream, dw_later),
+    at_later_layer = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream, dw_later,
+                                                                            0 if off else late_down),
                                              remat), dense_at), re_run)
     layer_k_extra = at_layer - at_first_layer  # added back for the stage's later layers (timeline `acts_at`)
     # the logits at the LM head's matmul; a model that returns them upcast (`--keep-logits fp32`) makes the fp32

@@ -352,7 +352,7 @@ def _amp_head_cast_saved(run: Run) -> Buffer:
                   "the LM head's autocast weight copy, saved by its matmul until its backward (recompute)")
 
 
-def _amp_copies_held(run: Run) -> Num:
+def amp_copies_held(run: Run) -> Num:
     """1 where `_amp_casts`' saved copies are held through backward and freed op by op, else 0: not under full or
     op-level recompute (re-cast per layer), FSDP2's sharded units, LoRA (casts of the adapters only) or
     pipelining (the step's autocast cache keeps them, `_amp_casts_step_cache`)."""
@@ -365,7 +365,7 @@ def _amp_copies_held(run: Run) -> Num:
 def amp_casts_freed_at_attention(run: Run) -> Num:
     """Of `_amp_casts`' saved copies, those of the first layer's output projection and MLP (router, experts), which
     their backward frees before the attention core's (`activations.attention_backward`)."""
-    return _amp_copies_held(run) * DTYPE_BYTES[run.recipe.compute_dtype] * after_core_layer_elems(run)[0]
+    return amp_copies_held(run) * DTYPE_BYTES[run.recipe.compute_dtype] * after_core_layer_elems(run)[0]
 
 
 def amp_layer_casts_freed(run: Run) -> Num:
@@ -376,7 +376,7 @@ def amp_layer_casts_freed(run: Run) -> Num:
     m = run.model
     dense, expert = layer_params(m, run.tp, run.ep)
     mats = scaled(run, dense + expert - layer_norms(m) * norm_params(m))
-    return _amp_copies_held(run) * DTYPE_BYTES[run.recipe.compute_dtype] * mats
+    return amp_copies_held(run) * DTYPE_BYTES[run.recipe.compute_dtype] * mats
 
 
 def amp_casts_after_last_mlp(run: Run, stage: Num, casts: Num) -> tuple[Num, Num]:
@@ -386,12 +386,14 @@ def amp_casts_after_last_mlp(run: Run, stage: Num, casts: Num) -> tuple[Num, Num
     Without pipelining only: each micro-batch's forward is an autocast region of its own, whose cache starts empty;
     torch pipelining's step-wide region has them all from the first forward on (`_amp_casts_step_cache`), so a
     later forward finds them made (counted there for every forward: at most these bytes high on the last stage's
-    first). Measured by the harness (tests/test_validate_forward.py)."""
+    first). LoRA: autocast casts the fp32 adapters only, and the checkpointed MLP's moments are modelled only where
+    the MLP has none (`activations.checkpointed_mlp_forward`): nothing pending. Measured by the harness
+    (tests/test_validate_forward.py)."""
     m = run.model
     down = saved_cast_elems(run)[2] + scaled(run, m.hidden if m.linear_bias else 0)
     head = where(stage == run.pp - 1, scaled(run, head_params(m, run.profile, run.tp)), 0)
     c = DTYPE_BYTES[run.recipe.compute_dtype]
-    own = (casts > 0) & (run.pp == 1)
+    own = (casts > 0) & (run.pp == 1) & (run.training.lora_rank is None)
     return where(own, c * (down + head), 0), where(own, c * head, 0)
 
 
@@ -413,7 +415,7 @@ def amp_head_cast_freed(run: Run) -> Num:
     if "head" in t.freeze or t.quantize_head:
         return 0
     head = scaled(run, head_params(run.model, run.profile, run.tp))
-    return _amp_copies_held(run) * DTYPE_BYTES[run.recipe.compute_dtype] * head
+    return amp_copies_held(run) * DTYPE_BYTES[run.recipe.compute_dtype] * head
 
 
 def _pipeline_recv_buffers(run: Run, stage: Num) -> Num:

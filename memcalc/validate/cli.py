@@ -54,9 +54,11 @@ def render(report: dict[str, Any]) -> str:
                      f"{_fmt_bytes(m['components'].get('activations', 0))}): the `moment` rows compare two moments, "
                      "not one; the phase and total rows compare each phase's highest moment")
     if report.get("peak_split_differs"):
-        lines.append("both peaks hold the same gradients and optimizer state: the `split` rows are one moment that "
-                     "memcalc files as activations (layer transients, a recomputed layer's set and weight casts) and "
-                     "the tracker as buffers (backward temporaries, compute copies)")
+        lines.append("both peaks hold the same gradients and optimizer state, within the tolerance: the `split` rows "
+                     "are one moment filed two ways. memcalc counts layer transients, a recomputed layer's set and "
+                     "weight casts as activations, which the tracker files as buffers (backward temporaries, compute "
+                     "copies); and a weight gradient still in the compute dtype as made, under gradients, with the "
+                     "difference taken off activations")
     if p["set_aside"]:
         lines.append("set aside from the tracked figures (GPU-only terms, not tensor bytes): "
                      + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in p["set_aside"].items()))
