@@ -1600,6 +1600,7 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
         return stream + imax(_hf_moe_backward_transient(run), attention_backward(run, terms))
     if run.profile == "megatron" and run.training.lora_rank is None and not _dequantizes(run.training):
         return stream + imax(_megatron_mlp_backward(run), megatron_attention_backward(run))
+    terms = layer_terms(run) if terms is None else terms
     if m.moe is None:
         tokens, ffn = tok, m.ffn
     else:
@@ -1622,13 +1623,12 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
     grad_in = imax(c * tokens * f_t, dequant_scratch(run, weight))
     # the down projection's backward frees its saved weight cast: AMP under full recompute, in its saved set
     # (`_saved_cast_terms`), else in the autocast copies held through backward (buffers.py `_amp_casts`)
-    down_cast = (terms or {}).get("amp_weight_casts_down", 0) + amp_copies_held(run) * c * saved_cast_elems(run)[2]
+    down_cast = terms.get("amp_weight_casts_down", 0) + amp_copies_held(run) * c * saved_cast_elems(run)[2]
     ac = _autocast(run)
     out_grad = c * _shape(run)[2] * m.hidden * imax(ac, 1 if run.dropout > 0 else 0)
     dw = 0 if run.training.freeze else ac * c * first_backward_grad_elems(run, 0)[1] - dw_counted
     # (both after the output dropout's backward, which frees its saved mask)
-    mask = 0 if run.dropout == 0 else (layer_terms(run) if terms is None else terms).get(
-        "mlp_residual_dropout_mask", 0)
+    mask = terms.get("mlp_residual_dropout_mask", 0)
     # (a frozen down projection whose input nothing saves, `_down_input_unsaved`: its input gradient is not net of it)
     unsaved = 1 if _down_input_unsaved(run) else 0
     mlp = imax(imax((factors + unsaved) * c * tokens * f_t - down_cast,
@@ -1637,7 +1637,7 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
     if m.post_norms:
         # the MLP output's norm (Gemma 2/3) runs its backward first and frees what it saved (`mlp_post_norm`);
         # under AMP that backward is torch's composite (`composite_norm_backward`), a moment of its own
-        mlp = imax(mlp - (layer_terms(run) if terms is None else terms).get("mlp_post_norm", 0),
+        mlp = imax(mlp - terms.get("mlp_post_norm", 0),
                    composite_norm_backward(run, _shape(run)[2] * m.hidden, _fp32_norm_stats(run) * _shape(run)[2])
                    - dw_made)
     if run.profile == "megatron":
@@ -1657,7 +1657,7 @@ def _down_wgrad_bytes(run: Run, stage: Num) -> Num:
     return _autocast(run) * DTYPE_BYTES[run.recipe.grad_dtype] * down
 
 
-def _input_projection_wgrad(run: Run, terms: dict[str, Num] | None, tokens: Num, f_t: Num) -> Num:
+def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: Num) -> Num:
     """Under autocast, the MLP's first input projection's backward (up, which autograd reaches before the gate's
     silu; GELU's fc), beyond the layer's saved set and the stream's gradient with the down projection's fp32 gradient
     made: the cast node's fp32 weight gradient made beside the matmul's compute-dtype one, and the input gradient
@@ -1670,7 +1670,7 @@ def _input_projection_wgrad(run: Run, terms: dict[str, Num] | None, tokens: Num,
     layer's saved set), no LoRA or --freeze; else `_NEVER`. Measured by the harness op by op (toys at 128 tokens,
     h 256: -0.16% / -0.21% of the backward before; row 155 -1.25%: tests/test_validate_mlp_backward.py)."""
     m, t = run.model, run.training
-    held = amp_copies_held(run) + (1 if "amp_weight_casts_down" in (terms or {}) else 0)
+    held = amp_copies_held(run) + (1 if "amp_weight_casts_down" in terms else 0)
     if run.profile != "torch" or m.moe is not None or t.freeze or t.lora_rank is not None or _dequantizes(t):
         return _NEVER
     c = DTYPE_BYTES[run.recipe.compute_dtype]
