@@ -1916,6 +1916,12 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
             # that input, the bool mask and the output, (3c + 1) S; with fp32 q the fp32 probabilities themselves
             # and an fp32 output, (c + 9) S. Measured: at (3c + 5) S the forward phase was 6-9% over (2 layers)
             dropped = where(f32 == 1, c * scores + 4 * scores + scores + 4 * scores, (3 * c + 1) * scores)
+            if _math_scaled_q(run):
+                # SDPA's math fallback rebinds one variable (`attn = softmax(attn)`, then dropout), so the scores
+                # are gone by then: the probabilities, the mask and the output, (2c + 1) S, and its (s, s) causal
+                # bias, a local to the end (measured by the harness: an fp32 GQA model with dropout under full
+                # recompute was 15 of its 16 heads' s x s over, +14% of the forward)
+                dropped = (2 * c + 1) * scores + c * s_loc * s_loc
         moment = imax(moment, dropped)
     # the value matmul: the probabilities it reads (and, with grad, what softmax and dropout saved) beside the
     # scores, its output (c tok a/t d) and, where V is in the projection's (b, s, a, d) layout (MHA; a repetition
