@@ -1664,15 +1664,16 @@ def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: N
     upcast to the stream's fp32 (the input cast's backward), after the projection has freed its input and weight
     copies and the activation's backward the product's operands (SwiGLU: the down projection's input, up's and
     silu's outputs, silu's gradient live; GELU: the down projection's input and fc's output), and the down
-    projection its weight copy: `(4 - c)*h*f + (4 - c)*tok*h - 2c*tok*f`; SwiGLU's gate after it,
-    `2(4 - c)*h*f + (4 - 2c)*tok*h - 4c*tok*f`. The higher where weights outweigh tokens (tok < about 2h/3).
+    projection its weight copy: `(g - c)*h*f + (4 - c)*tok*h - 2c*tok*f` (g the gradient dtype's bytes, 4 in fp32);
+    SwiGLU's gate after it, `2(g - c)*h*f + (4 - 2c)*tok*h - 4c*tok*f`. The higher where weights outweigh tokens
+    (tok < about 2h/3).
     Single GPU / DDP at tp 1 (the copies held through backward, in the autocast buffer or a fully recomputed
     layer's saved set), no LoRA or --freeze; else `_NEVER`. Measured by the harness op by op (toys at 128 tokens,
     h 256: -0.16% / -0.21% of the backward before; row 155 -1.25%: tests/test_validate_mlp_backward.py)."""
     m, t = run.model, run.training
-    held = amp_copies_held(run) + (1 if "amp_weight_casts_down" in terms else 0)
     if run.profile != "torch" or m.moe is not None or t.freeze or t.lora_rank is not None or _dequantizes(t):
         return _NEVER
+    held = amp_copies_held(run) + (1 if "amp_weight_casts_down" in terms else 0)
     c = DTYPE_BYTES[run.recipe.compute_dtype]
     g = DTYPE_BYTES[run.recipe.grad_dtype]
     hf = first_backward_grad_elems(run, 0)[1]
