@@ -1236,9 +1236,9 @@ class StageActivations:
         gradient. (`backward_post_bytes` holds the unit's second-to-last layer's: a plain set where checkpointed
         layers come next read up to 2.8% high, FSDP2 with --recompute-layers.)"""
         assert self.offload_parts is not None
-        _, plain_n, n, plain, kept, _, _, post_base = self.offload_parts
+        _, plain_n, n, plain, kept, _, _, post_base, casts = self.offload_parts
         nxt = k + 1
-        return post_base + where(nxt < plain_n, plain, where(nxt < n, kept, 0))
+        return post_base + where(nxt < plain_n, plain, where(nxt < n, kept, 0)) + _cast_kept_at(plain_n, casts, k)
 
 
 def _mixed_at(parts: tuple[Any, ...], k: Num, kind: str) -> Num:
@@ -1274,11 +1274,18 @@ def _offloaded_layer_at(parts: tuple[Num, ...], k: Num) -> Num:
     """base + the layer's saved set + the previous layer's (reloaded; none for the stage's first layer) + the
     layer's backward transient (a checkpointed layer's includes its re-run). The last `plain` layers are plain,
     the rest checkpointed (Megatron's block method checkpoints the first ones)."""
-    base, plain_n, n, plain, kept, tr_plain, tr_ck, _ = parts
+    base, plain_n, n, plain, kept, tr_plain, tr_ck, _, casts = parts
     nxt = k + 1
     prev_plain = where(nxt < plain_n, plain, where(nxt < n, kept, 0))
     prev_ck = where(nxt < n, kept, 0)
-    return where(k < plain_n, base + plain + prev_plain + tr_plain, base + kept + prev_ck + tr_ck)
+    return where(k < plain_n, base + plain + prev_plain + tr_plain + _cast_kept_at(plain_n, casts, k),
+                 base + kept + prev_ck + tr_ck)
+
+
+def _cast_kept_at(plain_n: Num, casts: Num, k: Num) -> Num:
+    """Offloading under AMP with full recompute: the weight casts (`casts` bytes a layer) of the plain layers below
+    the resident pair at the k-th layer's backward from the last, kept on the device (`stage_activations`)."""
+    return casts * imax(plain_n - k - 2, 0)
 
 
 # terms saved in forward up to and including the attention core; the rest of a layer (output projection, MLP,
@@ -1611,28 +1618,36 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
     # (`dequant_bytes`), before the product's backward allocates the factors' gradients
     weight = dequant_bytes(run)[1]
     dq = weight + _dequant_cast(run, weight, c * tokens * f_t)
+    ac = _autocast(run)
+    out_grad = c * _shape(run)[2] * m.hidden * imax(ac, 1 if run.dropout > 0 else 0)
     # an adapted down projection (LoRA on the MLP): autograd runs the adapter's branch first (created later), so
-    # its input gradient waits for the base's while the adapter's saved terms are freed
-    adapter = 0
-    if _dequantizes(run.training) and _down_adapted(run):
-        adapter = c * tokens * f_t - _down_adapter_saved(run, tokens, f_t)
+    # its input gradient waits for the base's while the adapter's saved terms are freed; then autograd sums the two
+    # out of place (the input buffer of the tensor both read), the base's output gradient and a dequantized weight
+    # freed: 2 c tok f/t beside the adapter's. With adapter dropout, its backward first makes the masked gradient
+    # beside the adapter's input gradient, its dropped copy and x A freed, its mask not yet
+    adapter_saved = _down_adapter_saved(run, tokens, f_t)
+    adapter, adapter_sum = 0, _NEVER
+    if _down_adapted(run):
+        adapter = c * tokens * f_t - adapter_saved
         if not _keeps_inputs(run.training) and run.training.lora_dropout == 0:
-            # the undropped input is saved by the adapter alone (torchao's base keeps none): freed with it
+            # the undropped input is saved by the adapter alone (torchao's or a bf16 base keeps none): freed with it
             adapter = adapter - c * tokens * f_t
+        adapter_sum = 2 * c * tokens * f_t + adapter
+        if run.training.lora_dropout > 0:
+            adapter_sum = imax(adapter_sum, out_grad + c * tokens * (f_t - run.training.lora_rank))
     # the input gradient is the matmul's output: a dequantization's own scratch comes before it
     grad_in = imax(c * tokens * f_t, dequant_scratch(run, weight))
     # the down projection's backward frees its saved weight cast: AMP under full recompute, in its saved set
     # (`_saved_cast_terms`), else in the autocast copies held through backward (buffers.py `_amp_casts`)
     down_cast = terms.get("amp_weight_casts_down", 0) + amp_copies_held(run) * c * saved_cast_elems(run)[2]
-    ac = _autocast(run)
-    out_grad = c * _shape(run)[2] * m.hidden * imax(ac, 1 if run.dropout > 0 else 0)
     dw = 0 if run.training.freeze else ac * c * first_backward_grad_elems(run, 0)[1] - dw_counted
     # (both after the output dropout's backward, which frees its saved mask)
     mask = terms.get("mlp_residual_dropout_mask", 0)
     # (a frozen down projection whose input nothing saves, `_down_input_unsaved`: its input gradient is not net of it)
     unsaved = 1 if _down_input_unsaved(run) else 0
-    mlp = imax(imax((factors + unsaved) * c * tokens * f_t - down_cast,
-                    grad_in + dq + adapter + _sp_gathered_grad(run) + out_grad + dw),
+    # (the product's backward comes after the down adapter's, which has freed its terms)
+    mlp = imax(imax(imax((factors + unsaved) * c * tokens * f_t - down_cast - adapter_saved,
+                         grad_in + dq + adapter + _sp_gathered_grad(run) + out_grad + dw), adapter_sum),
                _input_projection_wgrad(run, terms, tokens, f_t)) - mask
     if m.post_norms:
         # the MLP output's norm (Gemma 2/3) runs its backward first and frees what it saved (`mlp_post_norm`);
@@ -1782,12 +1797,16 @@ def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]
     after it. Derived from the harness's op order (Hugging Face's and torchtitan's MLPs have the same) and measured
     by it (tests/test_validate_forward.py). Without them the forward phase of a fully recomputed model whose loss is
     small was 1-12% low (a 4-layer toy, vocab 512), 59% at Llama-3.1-70B's width over TP 8 + SP. With dropout,
-    the MLP output's dropout after the down projection. `_NEVER` (not modelled) for MoE, MLA, parallel blocks,
-    LoRA on the MLP, quantized bases, context parallelism, and the DeepSpeed and Megatron profiles (Megatron's MLP
-    is fused; the harness runs the torch profile only)."""
+    the MLP output's dropout after the down projection. LoRA on the MLP: an adapted projection returns its base
+    output plus its adapter's, summed out of place, so at the sum the three are live (up's beside silu's output:
+    4 c tok f/t; the down projection's: 3 c tok h beside the product; the rank-wide x A is freed by then). Measured
+    by the harness (a 2-layer toy, LoRA on every projection: the forward was 14% low without it). `_NEVER` (not
+    modelled) for MoE, MLA, parallel blocks, MLP adapters with dropout, quantized bases, context parallelism, and
+    the DeepSpeed and Megatron profiles (Megatron's MLP is fused; the harness runs the torch profile only)."""
     m, t = run.model, run.training
+    adapted = _mlp_in_adapted(run)
     if (run.profile != "torch" or m.moe is not None or m.mla is not None or m.block != "sequential"
-            or _mlp_in_adapted(run) or _down_adapted(run) or t.base_dtype is not None):
+            or ((adapted or _down_adapted(run)) and t.lora_dropout > 0) or t.base_dtype is not None):
         return _NEVER, _NEVER
     c, tok, tok_sp, _ = _shape(run)
     h, f_t = m.hidden, cdiv(m.ffn, run.tp)
@@ -1800,8 +1819,11 @@ def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]
         held = plain["mlp_norm"] + stream * tok_sp * h
     held = held + (where(run.tp > 1, stream * tok * h, 0) if run.sp else 0)
     width = c * tok * f_t
-    at_act = held + (3 if m.mlp == "swiglu" else 2) * width
-    at_down = held + width + c * tok * h + _row_parallel_collective(run, all_reduce=True)
+    if m.mlp == "swiglu":
+        at_act = held + (4 if "up" in adapted else 3) * width
+    else:
+        at_act = held + (3 if "up" in adapted else 2) * width
+    at_down = held + width + (3 if _down_adapted(run) else 1) * c * tok * h + _row_parallel_collective(run, True)
     if run.dropout > 0:
         # the MLP's output dropout (native_dropout, after the collective: the product and the partial output freed):
         # its input, its output and its bool mask, on the sequence shard under SP
@@ -2522,9 +2544,19 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # until the next layer's forward ends; in backward it is reloaded while the current layer's backward runs).
     # The unit's last layers are its plain ones (checkpointing takes the first ck).
     w_last = w_prev = 0
+    # AMP with full recompute of some layers: a plain layer's saved weight casts (`_saved_cast_terms`) are not
+    # offloaded (autocast's copies of parameters: the saved-tensor hook returns them as they are), so they stay on
+    # the device until that layer's backward frees them, beside the resident layers' sets: at the loss gradient
+    # every plain layer's but the resident last one's, at the k-th layer's backward those below the pair
+    # (`_cast_kept_at`). Measured by the harness: 2 plain of 4 layers, one layer's casts live at the loss gradient,
+    # the backward was -1.5% without them (-3.0% with 3 plain), and the host copies high by the casts
+    plain_casts = 0
     if off:
         w_last = where(plain_layers >= 1, plain_bytes, kept_bytes)
         w_prev = where(unit_layers >= 2, where(plain_layers >= 2, plain_bytes, kept_bytes), 0)
+        plain_casts = sum(plain.get(k, 0) for k in ("amp_weight_casts_qkv", "amp_weight_casts_o_mlp",
+                                                     "amp_weight_casts_down"))
+    loss_casts = plain_casts * imax(plain_layers - 1, 0)  # (at the loss gradient)
 
     first = stage == 0
     last = stage == pp - 1
@@ -2736,6 +2768,23 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         dq_down = dq_fwd + _dequant_cast(run, dq_fwd, down_out)
         at_matmul = _down_matmul_moment(run, mode, where(last_plain, 1, 0), down_out, dequant_scratch(run, dq_fwd))
         layer_out = imax(layer_out, dq_down + at_matmul + unsaved)
+    elif tr.lora_rank is not None and not _dequantizes(tr) and m.moe is None:
+        # an unquantized frozen base: its down projection's matmul beside the inputs nothing saves (as above)
+        layer_out = imax(layer_out, _down_matmul_moment(run, mode, where(last_plain, 1, 0), down_out, 0) + unsaved)
+    f_t = cdiv(mlp_width(m), run.tp)
+    mlp_saves = last_plain | (mode == "selective")  # the last layer's MLP keeps its saved set
+    if _down_adapted(run):
+        # the down adapter's sum, base(x) + B(A(x)) (scaled): the base output, the adapter's output and their sum,
+        # beside the inputs nothing saves, the adapter's own terms made
+        at_add = _down_matmul_moment(run, "none", 1, 3 * down_out, 0) + _down_adapter_saved(run, tok_all, f_t)
+        layer_out = imax(layer_out, where(mlp_saves, at_add + unsaved, 0))
+    if "up" in _mlp_in_adapted(run):
+        # the up (GELU: fc) adapter's sum, 3 c tok f/t, of which the sum is saved (the activation's input, a
+        # factor): before the down projection's input (saved unless `_down_input_unsaved`) and adapter terms are made
+        down_in = 0 if _down_input_unsaved(run) else c * tok_all * f_t
+        at_up = 2 * c * tok_all * f_t - down_in - _down_adapter_saved(run, tok_all, f_t) + (
+            c * tok_in * m.hidden if _mlp_input_unsaved(run) else 0)
+        layer_out = imax(layer_out, where(mlp_saves, at_up + unsaved, 0))
     if off:
         detail["layers_offloaded_to_host"] = -host
         detail["offload_resident_layers"] = w_last + w_prev
@@ -2772,7 +2821,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     base_bwd = base + head_held
     post = base_bwd - one_layer + w_prev + _residual_grad_bytes(run)  # the end of a layer's backward
     # (offloading: the layer ends' base, without the resident layer, `offloaded_post_at`)
-    parts = (base, plain_layers, unit_layers, plain_bytes, kept_bytes, layer_tr, at_layer, post - w_prev)
+    parts = (base, plain_layers, unit_layers, plain_bytes, kept_bytes, layer_tr, at_layer, post - w_prev, plain_casts)
     layer_bwd = _offloaded_layer_at(parts, 0) if off else base_bwd + at_first_layer
     # a later micro-batch's: also the down projection's new weight gradient beside `.grad` (the pipelining receive
     # buffer holds the incoming gradient on all but the last stage)
@@ -2796,8 +2845,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     if off:
         own_pair = where(plain_layers >= 1, plain_bytes, kept_bytes) + where(
             plain_layers >= 2, plain_bytes, where(unit_layers >= 2, kept_bytes, 0))
-    attn_bwd = (base_bwd + own_pair + _layer_moment(mode, _residual_grad_bytes(run) + attn, remat) if modelled
-                else _NEVER)
+    attn_bwd = (base_bwd + own_pair + _cast_kept_at(plain_layers, plain_casts, 0)
+                + _layer_moment(mode, _residual_grad_bytes(run) + attn, remat) if modelled else _NEVER)
     if mode == "selective" and eager_core(run):
         # the core comes back (its saved set, `plain`'s core terms) after the layer's MLP backward, and its backward
         # then runs as a plain layer's would (relative to the plain saved set); a plain last layer
@@ -2862,8 +2911,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     return StageActivations(
         held_bytes=held + w_last,
         forward_bytes=held + w_last + fwd_tr,
-        backward_first_bytes=held + w_last + bwd_tr,
-        backward_later_bytes=held_later + w_last + where(total_units > 1, bwd_tr, 0) + sent,
+        backward_first_bytes=held + w_last + loss_casts + bwd_tr,
+        backward_later_bytes=held_later + w_last + loss_casts + where(total_units > 1, bwd_tr, 0) + sent,
         backward_layer_bytes=layer_bwd,
         backward_attention_bytes=attn_bwd,
         backward_later_layer_bytes=where(total_units > 1, later_layer_bwd - held + held_later + sent + late_dw
@@ -2896,7 +2945,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         steady_forward_sent_bytes=steady_sent,
         layers=unit_layers,
         layer_freed_bytes=one_layer - layer_held,
-        host_bytes=host,
+        host_bytes=host - units * plain_layers * plain_casts,  # (the plain layers' weight casts stay)
         offload_parts=parts if off else None,
         mixed_parts=mixed,
         in_flight=units,

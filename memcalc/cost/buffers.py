@@ -317,8 +317,9 @@ def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
         n = stage_layers(run, stage)
         plain = n - checkpointed_layers("full", t, n)
         if t.offload_activations:
-            # offloaded, a plain layer's saved copies go to the host but the cache keeps the device copies through
-            # the forward: only the resident last one's are in a saved set counted on the device
+            # offloaded, a plain layer's saved copies are autocast's weight casts, which the offloading hook keeps on
+            # the device (no host copy) until that layer's backward; in forward they are counted here, but for the
+            # resident last one's, in a saved set on the device (in backward: activations `_cast_kept_at`)
             plain = imin(plain, 1)
         elems = elems - where(run.pp == 1, plain * sum(saved_cast_elems(run)), 0)
     return Buffer(cb * elems, phases, "autocast low-precision copies of the weights")
