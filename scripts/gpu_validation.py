@@ -223,7 +223,7 @@ def configurations() -> list[tuple[str, dict[str, Any], str, str | None]]:
         ("Qwen3-8B, 4 layers (q/k norms), bf16 AMP, selective recompute, seq 4096",
          dict(model="qwen3-8b", layers=4, precision="bf16", recompute="selective", seq=4096, micro_batch=1,
               gpu="h100-sxm"), "real", None),
-        # rows 60-71 (a fourth GPU session, docs/data/validation-cuda-4*.json): what sessions without a GPU modelled
+        # rows 60-72 (a fourth GPU session, docs/data/validation-cuda-4*.json): what sessions without a GPU modelled
         # since, mostly the layers' own moments, which a 512-token vocabulary leaves as the peak (the MLP's backward
         # under AMP, dropout, LoRA's frozen projections and adapters, SDPA's math fallback with dropout), AMP under
         # partial recompute with offloading, FSDP2's fp32 embedding backward, and torchtune's LoRA recipe shape
@@ -609,7 +609,7 @@ def fourth_section(data: dict[str, Any], expandable: dict[str, Any]) -> list[str
     return _later_section(
         data, expandable, ", rows 60-72", "",
         "recorded in docs/data/validation-cuda-4.json and docs/data/validation-cuda-4-expandable.json and held by "
-        "tests/test_cuda_record.py: what sessions without a GPU had modelled since, mostly the layers' own moments, "
+        "tests/test_cuda_record_4.py: what sessions without a GPU had modelled since, mostly the layers' own moments, "
         "which a 512-token vocabulary leaves as the peak (the MLP's backward under AMP, weight-heavy AMP, dropout "
         "under full recompute, LoRA's frozen projections and adapters, SDPA's math fallback with dropout), AMP under "
         "partial recompute with offloading, FSDP2 in fp32 with a 128k vocabulary, and torchtune's LoRA recipe shape. "
