@@ -1799,14 +1799,16 @@ def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]
     small was 1-12% low (a 4-layer toy, vocab 512), 59% at Llama-3.1-70B's width over TP 8 + SP. With dropout,
     the MLP output's dropout after the down projection. LoRA on the MLP: an adapted projection returns its base
     output plus its adapter's, summed out of place, so at the sum the three are live (up's beside silu's output:
-    4 c tok f/t; the down projection's: 3 c tok h beside the product; the rank-wide x A is freed by then). Measured
-    by the harness (a 2-layer toy, LoRA on every projection: the forward was 14% low without it). `_NEVER` (not
-    modelled) for MoE, MLA, parallel blocks, MLP adapters with dropout, quantized bases, context parallelism, and
-    the DeepSpeed and Megatron profiles (Megatron's MLP is fused; the harness runs the torch profile only)."""
+    4 c tok f/t; the down projection's: 3 c tok h beside the product; the rank-wide x A is freed by then); with
+    adapter dropout the down adapter's dropped copy of the product and its mask, after the base output. Measured
+    by the harness (2-layer toys, LoRA on every projection: the forward was 14% low without it; on the down
+    projection alone with dropout, GELU at f = 4h, 7.8%). `_NEVER` (not modelled) for MoE, MLA, parallel blocks,
+    quantized bases, context parallelism, and the DeepSpeed and Megatron profiles (Megatron's MLP is fused; the
+    harness runs the torch profile only)."""
     m, t = run.model, run.training
     adapted = _mlp_in_adapted(run)
     if (run.profile != "torch" or m.moe is not None or m.mla is not None or m.block != "sequential"
-            or ((adapted or _down_adapted(run)) and t.lora_dropout > 0) or t.base_dtype is not None):
+            or t.base_dtype is not None):
         return _NEVER, _NEVER
     c, tok, tok_sp, _ = _shape(run)
     h, f_t = m.hidden, cdiv(m.ffn, run.tp)
@@ -1824,6 +1826,9 @@ def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]
     else:
         at_act = held + (3 if "up" in adapted else 2) * width
     at_down = held + width + (3 if _down_adapted(run) else 1) * c * tok * h + _row_parallel_collective(run, True)
+    if _down_adapted(run) and t.lora_dropout > 0:
+        # its adapter's dropout, after the base output: the dropped copy of the product and the bool mask
+        at_down = imax(at_down, held + width + c * tok * h + (c + 1) * tok * f_t)
     if run.dropout > 0:
         # the MLP's output dropout (native_dropout, after the collective: the product and the partial output freed):
         # its input, its output and its bool mask, on the sequence shard under SP
