@@ -2559,8 +2559,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     if off:
         w_last = where(plain_layers >= 1, plain_bytes, kept_bytes)
         w_prev = where(unit_layers >= 2, where(plain_layers >= 2, plain_bytes, kept_bytes), 0)
-        plain_casts = sum(plain.get(k, 0) for k in ("amp_weight_casts_qkv", "amp_weight_casts_o_mlp",
-                                                     "amp_weight_casts_down"))
+        plain_casts = sum(_saved_cast_terms(run).values())
     loss_casts = plain_casts * imax(plain_layers - 1, 0)  # (at the loss gradient)
 
     first = stage == 0

@@ -807,9 +807,9 @@ def _host_copies(run: Run, stage: Num) -> list[_Term]:
         unit = sa.host_bytes // imax(sa.in_flight, 1)  # one micro-batch's (model chunk's) offloaded layers
         # the last layer's set (plain, or checkpointed when all are) never comes back: its originals are still on
         # the GPU when its backward starts
-        _, plain_n, _, plain, kept = sa.offload_parts[:5]
+        _, plain_n, _, plain, kept, *_, casts = sa.offload_parts
         # (its weight casts under AMP never left: `host_bytes` has none of the plain layers')
-        last = where(plain_n >= 1, plain - sa.offload_parts[8], kept)
+        last = where(plain_n >= 1, plain - casts, kept)
         # one call per micro-batch (model chunk when interleaved) standing for its per-layer copies, so that the
         # bytes are exact (the first layer's set may be smaller than the rest)
         units_step = ga * (run.vpp if run.schedule == "interleaved" else 1)
