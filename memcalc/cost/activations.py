@@ -22,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcalc.cost.buffers import amp_copies_held
+from memcalc.cost.buffers import amp_copies_held, fsdp_unsharded_grad_bytes
 from memcalc.cost.params import (
+    attention_matrix_shapes,
     cast_grad_elems,
     checkpointed_layers,
     chunk_forwards,
@@ -32,11 +33,15 @@ from memcalc.cost.params import (
     dense_layer_run,
     first_backward_grad_elems,
     first_dense_layers,
+    first_grad_bytes,
     fsdp_sharded,
+    grads_persistent,
     head_params,
     interleave_group,
     interleave_rounds,
     layer_params,
+    lora_first_grad_elems,
+    lora_layer_params,
     mlp_width,
     norm_params,
     padded_vocab,
@@ -50,7 +55,7 @@ from memcalc.cost.params import (
     word_embedding_elems,
 )
 from memcalc.specs import DTYPE_BYTES, Run, lora_projections
-from memcalc.xp import cdiv, imax, imin, where
+from memcalc.xp import cdiv, imax, imin, muldiv, where
 
 Num = Any
 
@@ -814,6 +819,66 @@ def _head_moment(run: Run, logits: Num, dq_head_fwd: Num) -> Num:
     return imax(at_matmul, logits + kept_input)
 
 
+def _final_norm_moment(run: Run) -> Num:
+    """Beyond the layers' terms, the final norm's own forward moment on the last stage where it is an eager fp32
+    RMSNorm (`--norm-impl fp32`: HF LlamaRMSNorm, torchtune's and lit-gpt's RMSNorm): at the weight multiply, its
+    input (the last layer's output, which the caller references until the norm returns), the saved fp32 copy and
+    rstd (`_norm_saved`), `x * rstd` in fp32 (freed once cast back), the cast back to the stream dtype (saved where
+    the weight trains) and the product. In an fp32 stream (autocast) `x.float()` is x and the cast back is `x * rstd`
+    itself. 0 for other norms, whose kernel allocates only its output and statistics (`_head_live` has them).
+    Measured by the harness op for op: a pure-bf16 model's forward peaked here, 4 tok h above its LM head (-1.5%
+    of a 2-layer h 1024 model's forward without this moment)."""
+    m = run.model
+    if run.training.norm_impl != "fp32" or m.norm != "rmsnorm":
+        return 0
+    c, _, tok_sp, _ = _shape(run)
+    h = m.hidden
+    stream = _stream_bytes(run, c)
+    saved_in, normalized = _norm_saved(run, c, tok_sp, _fp32_norm_stats(run) * tok_sp)
+    narrow = where(stream < 4, 1, 0)
+    x_rstd = 4 * tok_sp * h
+    if normalized is not None:  # (the weight trains: the cast back is saved; in fp32 it is `x * rstd`)
+        saved_in = saved_in + normalized
+        x_rstd = x_rstd * narrow
+    else:  # (a frozen weight saves nothing: the cast back, a new tensor in a narrower stream, is live all the same)
+        x_rstd = x_rstd + narrow * c * tok_sp * h
+    return narrow * stream * tok_sp * h + saved_in + x_rstd + stream * tok_sp * h
+
+
+def _eager_norm_backward(run: Run, merged: bool) -> Num:
+    """The backward of an eager fp32 RMSNorm (`--norm-impl fp32`: `x.float()`, `pow(2).mean`, `rsqrt`, `x * rstd`,
+    the cast back, the weight multiply) beyond its saved set (`_norm_saved`), from autograd's formulas
+    (tools/autograd/derivatives.yaml: mul, pow, mean, rsqrt), whichever of two moments is higher:
+    - the weight multiply's backward: the incoming gradient (the stream's dtype, o bytes an element), the cast back's
+      gradient `grad * w` and, where the weight trains, `grad * normalized` before its sum: 2o or 3o an element;
+    - the square's backward (`grad * 2 * x.pow(1)`, three fp32 tensors) beside the rstd product's input gradient and
+      the mean's expanded gradient, five fp32 tensors, once the weight multiply's backward has freed the saved cast
+      back and the rsqrt's the statistics: 20 bytes an element less those two. Where `x.float()` is x itself (an fp32
+      stream) and x also feeds the residual add (`merged`: a layer's MLP norm), the rstd product's input gradient
+      is summed into x's waiting residual gradient (autograd's input buffer) before the square's backward: 4 less.
+    The same ops as torch's composite nn.RMSNorm (`composite_norm_backward`). Measured by the harness op for op
+    (`_final_norm_backward`, `mlp_norm_backward`)."""
+    c, _, tok_sp, _ = _shape(run)
+    e = tok_sp * run.model.hidden
+    stats = _fp32_norm_stats(run) * tok_sp
+    stream = _stream_bytes(run, c)
+    _, normalized = _norm_saved(run, c, tok_sp, stats)
+    weight_mul = (3 if normalized is not None else 2) * stream * e
+    square = 20 * e - (normalized or 0) - stats - (where(stream == 4, 4 * e, 0) if merged else 0)
+    return imax(weight_mul, square)
+
+
+def _final_norm_backward(run: Run) -> Num:
+    """The final norm's backward where it is an eager fp32 RMSNorm (`_final_norm_moment`), beyond its saved set, once
+    the LM head's backward has made the incoming gradient (`_eager_norm_backward`; the norm's input feeds nothing
+    else). Measured by the harness op for op: a pure-bf16 model's backward peaked here (-2.2% of a 2-layer h 1024
+    model's backward without this moment, -7.4% with LoRA). 0 for other norms."""
+    m = run.model
+    if run.training.norm_impl != "fp32" or m.norm != "rmsnorm":
+        return 0
+    return _eager_norm_backward(run, merged=False)
+
+
 def _megatron_head_backward(run: Run) -> Num:
     """Megatron's LM-head backward (megatron/core/tensor_parallel/layers.py,
     LinearWithGradAccumulationAndAsyncCommunication.backward), on top of everything held at the loss gradient
@@ -1127,6 +1192,10 @@ class StageActivations:
     forward_bytes: Num  # held + the forward transient (logits at the loss, or ring-attention K/V)
     backward_first_bytes: Num  # held + the backward transient, at the start of the stage's first backward
     backward_later_bytes: Num  # at the start of a later backward (earlier ones have allocated the grads)
+    # the final norm's backward, first and later micro-batch: the loss and LM-head terms freed, the norm's own
+    # transients live (`_final_norm_backward`; _NEVER where the norm's backward is not modelled: a fused kernel)
+    backward_final_norm_bytes: Num
+    backward_later_final_norm_bytes: Num
     # inside the first layer's backward of the stage's first backward: the loss terms freed, the layer's
     # activation-gradient transients live (`layer_backward_transient`), a checkpointed layer re-materialised
     backward_layer_bytes: Num
@@ -1317,7 +1386,20 @@ def recompute_transient_bytes(run: Run) -> Num:
     mode = run.training.recompute
     if mode == "none":
         return 0
-    return _remat_net(mode, layer_terms(run, "none"), layer_bytes(run, mode))
+    return _remat_net(mode, layer_terms(run, "none"), _remat_kept(run, layer_bytes(run, mode)))
+
+
+def _remat_kept(run: Run, kept: Num) -> Num:
+    """What of a checkpointed layer's kept bytes (`layer_terms(run, mode)`) its plain saved set counts too, so that
+    its re-run does not make them again: all of them, but the checkpointed input where the layer's first norm is an
+    eager fp32 RMSNorm on a narrower stream, which saves an fp32 copy of it (`_norm_saved`), made by the re-run
+    beside the checkpoint. Measured by the harness: a bf16 layer with `--norm-impl fp32` under full recompute was
+    one c*tok*h short in backward without this (-0.9% to -2.0% of 2-layer h 1024 toys)."""
+    c, _, tok_sp, _ = _shape(run)
+    stream = _stream_bytes(run, c)
+    if run.training.norm_impl == "fp32" and run.model.norm == "rmsnorm":
+        return kept - where(stream < 4, stream * tok_sp * run.model.hidden, 0)
+    return kept
 
 
 def _remat_net(mode: str, terms: dict[str, Num], kept: Num) -> Num:
@@ -1580,6 +1662,42 @@ def _recomputed_down_matmul(run: Run) -> Num:
     return common + imax(scratch, c * tok * f_t) + mlp_input
 
 
+def _recomputed_plain_end(run: Run) -> Num:
+    """A checkpointed dense layer's re-run forward (non-reentrant `torch.utils.checkpoint`, torch profile, no LoRA,
+    no dropout, tp 1), beyond the recomputed saved set: the re-run stops as the down (or proj) projection saves its
+    input (and, under autocast, its weight's cast). Live besides: the incoming gradient of the residual stream, an
+    unsaved attention half's sum (`_stream_unsaved`) and, under autocast, the MLP's argument, the norm's fp32
+    output, which no matmul saves (each saves its own cast: `_mlp_forward_extra`), and the down projection's output
+    gradient, which the residual add's backward has cast to the compute dtype before the down projection's backward
+    unpacks its input and so starts the re-run (`layer_backward_transient`'s `out_grad`). The highest of the
+    layer's backward moments where the MLP is narrow (f = h/2 under AMP: -2.1% of a toy's backward without it).
+    `_NEVER` elsewhere."""
+    m = run.model
+    if run.profile != "torch" or m.moe is not None or run.training.lora_rank is not None or run.dropout > 0:
+        return _NEVER
+    c, _, tok_sp, tok_in = _shape(run)
+    half_sum = _stream_unsaved(run) // 2 if m.block == "sequential" else 0
+    end = _residual_grad_bytes(run) + half_sum + _autocast(run) * (4 * tok_in * m.hidden + c * tok_sp * m.hidden)
+    return where(run.tp == 1, end, _NEVER)
+
+
+def _recomputed_adapter_end(run: Run) -> Num:
+    """A checkpointed layer's re-run forward (non-reentrant `torch.utils.checkpoint`) where the down (or proj)
+    projection has a LoRA adapter on an unquantized base, beyond the recomputed saved set: the re-run stops as the
+    last saved tensor is remade, the adapter's low-rank intermediate (saved by its second matmul). Live then besides:
+    the incoming gradient of the residual stream, the base projection's output (c tok h, read by the adapter's sum,
+    which is not re-run), the inputs nothing saves (the MLP's input and, with adapter dropout, the down projection's,
+    `_lora_input_unsaved`) and an unsaved attention half's sum (`_stream_unsaved`). Measured by the harness op for op:
+    -1.0% to -1.5% of a 2-layer h 1024 model's backward without this moment."""
+    m = run.model
+    c, tok, _, tok_in = _shape(run)
+    f_t = cdiv(mlp_width(m), run.tp)
+    half_sum = _stream_unsaved(run) // 2 if m.block == "sequential" else 0
+    mlp_input = c * tok_in * m.hidden if _mlp_input_unsaved(run) else 0
+    down_input = c * tok * f_t if _down_input_unsaved(run) else 0
+    return _residual_grad_bytes(run) + half_sum + c * tok * m.hidden + mlp_input + down_input
+
+
 def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stream_in_buffer: Num = 0,
                              dw_made: Num = 0, dw_counted: Num = 0) -> Num:
     """Bytes a layer's backward holds beyond the saved activations at its highest moment (the MLP's backward,
@@ -1779,6 +1897,47 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed
         moment = moment + _residual_grad_bytes(run)
     # context parallelism exchanges K/V (ring) or Q/K/V (all-to-all) inside the core: not derived here
     return where(run.cp > 1, _NEVER, moment)
+
+
+# a layer's saved terms that outlive its MLP norm's backward (the attention half's, and that norm's own)
+_THROUGH_MLP_NORM = frozenset(_UP_TO_CORE) | {"attn_output", "attn_output_copy", "attn_output_pre_a2a",
+                                             "attn_residual_dropout_mask", "attn_post_norm", "lora_dropout_o",
+                                             "lora_dropout_o_mask", "residual_adds", "mlp_norm"}
+
+
+def mlp_norm_backward(run: Run, terms: dict[str, Num]) -> Num:
+    """A layer's MLP norm's backward where it is an eager fp32 RMSNorm (`--norm-impl fp32`), beyond the layer's saved
+    set and the residual stream's gradient: the MLP's backward has freed what the MLP saved, and the norm's own
+    backward runs (`_eager_norm_backward`; its input, the attention half's sum, also feeds the residual add, whose
+    gradient waits in its input buffer). Between the MLP's moment and the attention core's, so the timeline counts
+    it with the core's gradients (the caller takes off the output projection's, not made yet). Its highest where the MLP is narrow next to the stream (without LoRA, f below about
+    5h/3 in bf16). Measured by the harness op for op (-10.7% of a 2-layer h 1024, f 512 model's backward under full
+    recompute without it). `_NEVER` for other norms, MoE or parallel blocks, and Megatron's fused layers."""
+    m = run.model
+    if (run.training.norm_impl != "fp32" or m.norm != "rmsnorm" or m.block != "sequential" or m.moe is not None
+            or run.profile == "megatron"):
+        return _NEVER
+    freed = sum(v for k, v in terms.items() if k not in _THROUGH_MLP_NORM)
+    # (the output projection's weight cast under AMP with full recompute is freed by its own backward, later)
+    o_cast = 0
+    if "amp_weight_casts_o_mlp" in terms:
+        o_r, o_c, _ = attention_matrix_shapes(m, run.tp)[-1]
+        o_cast = muldiv(terms["amp_weight_casts_o_mlp"], scaled(run, o_r * o_c), imax(saved_cast_elems(run)[1], 1))
+    # (the norm's cast back, `mlp_norm_normalized`, is among the freed terms: `_eager_norm_backward` nets it too)
+    return _eager_norm_backward(run, merged=True) - freed + terms.get("mlp_norm_normalized", 0) + o_cast
+
+
+def _o_grad_bytes(run: Run, stage: Num) -> Num:
+    """The output projection's weight gradient on one rank as a first backward counts it made at a layer's attention
+    core (timeline `_first_grads`, or FSDP2's unsharded one in the core's buffers): made after the layer's MLP
+    norm's backward (`mlp_norm_backward`). 0 where gradients persist between steps."""
+    t, m = run.training, run.model
+    if grads_persistent(run):
+        return 0
+    o_r, o_c, _ = attention_matrix_shapes(m, run.tp)[-1]
+    o = scaled(run, o_r * o_c + (m.hidden if m.linear_bias else 0))
+    own = lora_layer_params(m, t.lora_targets, t.lora_rank, run.tp, only=("o",)) if t.lora_rank is not None else o
+    return first_grad_bytes(run) * own + fsdp_unsharded_grad_bytes(run, stage, o)
 
 
 def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]:
@@ -2517,7 +2676,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         # after the unit's plain layers of this micro-batch have freed their activations (offloaded: they were
         # never all resident, the window below stands for them); every K-th: after the `top` plain ones above the
         # last checkpointed layer, whose re-run is the highest (each lower one finds more freed)
-        remat = where(ck > 0, _remat_net(mode, plain, kept_bytes) - (0 if off else top * plain_bytes), 0)
+        rerun_net = _remat_net(mode, plain, _remat_kept(run, kept_bytes))
+        remat = where(ck > 0, rerun_net - (0 if off else top * plain_bytes), 0)
     one_more = d_plain * plain_bytes + d_ck * kept_bytes  # what one more layer adds to a unit
     first_unit = unit_bytes + (c_first - unit_layers) * one_more  # interleaved: a unit of the rank's first chunk
     # an MoE model's first dense layers (MoESpec.first_dense_layers) on this stage: the stage's first layers, so
@@ -2538,7 +2698,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             d_kept_bytes = sum(d_kept.values())
             _replace_layers(detail, d_kept, kept, nd_ck * units)
             unit_bytes = unit_bytes + nd_ck * (d_kept_bytes - kept_bytes)
-            d_remat = where(nd_plain > 0, 0, _remat_net(mode, d_plain, d_kept_bytes))  # the first is checkpointed
+            # (the first is checkpointed)
+            d_remat = where(nd_plain > 0, 0, _remat_net(mode, d_plain, _remat_kept(drun, d_kept_bytes)))
         # backward reaches the dense layers last: this micro-batch's MoE layers have freed their saved sets
         moe_freed = (plain_layers - nd_plain) * plain_bytes + (ck - nd_ck) * kept_bytes
         d_at = _layer_moment(mode, layer_backward_transient(drun, d_plain, dw_counted=_down_dw_counted(drun)),
@@ -2717,6 +2878,10 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     if run.profile == "megatron":
         head_bwd_tr = imax(head_bwd_tr, where(last, _megatron_head_backward(run), 0))
     bwd_tr = imax(imax(loss_bwd, core_tr), head_bwd_tr)
+    # the final norm's backward, after the loss's and the LM head's have freed their terms (but its own)
+    norm_bwd = _final_norm_backward(run)
+    has_norm_bwd = last & (norm_bwd > 0)
+    norm_bwd = norm_bwd - (head_freed - last_stage_terms(run)["final_norm"])
     # (a first micro-batch's: each layer's down weight gradient is counted made at its moment, `_down_wgrad_bytes`)
     dw_first = _down_wgrad_bytes(run, stage)
     dw_counted = _down_dw_counted(run)
@@ -2725,6 +2890,10 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     re_run = 0
     if mode in ("full", "op") and _dequantizes(tr) and tr.base_dtype == "nf4":
         re_run = where(ck > 0, remat + _recomputed_down_matmul(run), 0)
+    if mode == "full" and not off and _down_adapted(run):
+        re_run = imax(re_run, where(ck > 0, remat + _recomputed_adapter_end(run), 0))
+    if mode == "full" and not off:  # (a `_NEVER` end stays below every other moment)
+        re_run = imax(re_run, where(ck > 0, remat + _recomputed_plain_end(run), 0))
     if mode in ("full", "op") and not off:
         # the re-run forward's eager core, with grad, beside the incoming gradient: a plain layer's forward moment
         # (`eager_attention_forward`), its saved set built up to the core and the core's locals; a fused norm saves
@@ -2738,15 +2907,23 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
                 shared = where(stream < 4, 0, shared)
             # (like the QLoRA moment above, relative to the re-run's whole set, `remat`, which holds the adjustments
             # for plain layers freed before it)
-            x = _residual_grad_bytes(run) + core_rerun - shared - _remat_net(mode, plain, kept_bytes)
+            x = _residual_grad_bytes(run) + core_rerun - shared - rerun_net
             re_run = imax(re_run, where(ck > 0, remat + x, 0))
-    at_layer = imax(imax(_layer_moment(mode, layer_tr, remat), dense_at), re_run)
+    # (the re-run precedes the layer's own backward: on a first backward the down projection's (or its adapter's)
+    # weight gradient, which the timeline counts made at the layer's moments (`_first_grads`, FSDP2's unsharded one
+    # in the layer's buffers), is not made yet)
+    down_elems = first_backward_grad_elems(run, stage)[1]
+    own_down = lora_first_grad_elems(run)[0] if tr.lora_rank is not None else down_elems
+    rerun_dw = 0 if grads_persistent(run) else (first_grad_bytes(run) * own_down
+                                                 + fsdp_unsharded_grad_bytes(run, stage, down_elems))
+    re_run_first = where(re_run > 0, re_run - rerun_dw, 0)
+    at_layer = imax(imax(_layer_moment(mode, layer_tr, remat), dense_at), re_run_first)
     # torch pipelining, every stage but the last: the stage's last layer (the first in backward) gets its output's
     # gradient in the receive buffer (`pipeline_recv_buffers`), not in a new tensor; the later layers' is new
     recv_stream = where(last, 0, _residual_grad_bytes(run)) if run.profile == "torch" and not off else 0
     at_first_layer = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream, dw_first,
                                                                             dw_counted),
-                                             remat), dense_at), re_run)
+                                             remat), dense_at), re_run_first)
     # a later micro-batch's (every weight gradient held in `.grad` already; under torch pipelining the down
     # projection's compute-dtype gradient counted waiting, `late_dw`, is not made by the composite norm's moment)
     dw_later = where(m.post_norms, late_down, 0) if not off else 0
@@ -2868,6 +3045,16 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
                 plain["k"] + plain["v"] if gqa else 0)
             back = sum(plain.get(k, 0) for k in _CORE) + copies + plain["attn_output"]
             attn_bwd = where(plain_layers >= 1, attn_bwd, base_bwd + own_pair + _residual_grad_bytes(run) + back + rec)
+    # the MLP norm's backward (an eager fp32 RMSNorm's), with the core's gradients less the output projection's on a
+    # first backward
+    o_dw = _o_grad_bytes(run, stage)
+    norm_b = mlp_norm_backward(run, plain)
+    attn_bwd_later = attn_bwd
+    if not off and not (isinstance(norm_b, int) and norm_b == _NEVER):
+        norm_at = (base_bwd + _cast_kept_at(plain_layers, plain_casts, 0)
+                   + _layer_moment(mode, _residual_grad_bytes(run) + norm_b, remat))
+        attn_bwd_later = imax(attn_bwd, norm_at)
+        attn_bwd = imax(attn_bwd, norm_at - o_dw)
     # eager attention's core in the last layer's forward: a plain layer, unless all of the unit's are checkpointed
     # (offloaded: the previous layer's set, its copy to the host in flight, `w_prev`, beside the core's own)
     core_fwd = eager_attention_forward(run, plain, "none")
@@ -2900,11 +3087,13 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     if mode in ("full", "op") and not off and (tr.recompute_layers is not None or tr.recompute_every is not None):
         # plain and checkpointed layers: each layer's moments from the saved sets above it (the average layer of
         # `layer_freed_bytes` is exact only where the unit's layers are alike)
-        net = _remat_net(mode, plain, kept_bytes)
+        net = rerun_net
         plain_freed = plain_bytes - (graph_held_layer_bytes(run, plain) if bnb_held else 0)
-        ck_layer = imax(layer_tr + net, where(re_run != 0, re_run - remat + net, 0))
+        ck_layer = imax(layer_tr + net, where(re_run != 0, re_run_first - remat + net, 0))
         resid = _residual_grad_bytes(run)
         attn_plain = resid + attention_backward(run, plain) if modelled else _NEVER
+        if not (isinstance(norm_b, int) and norm_b == _NEVER):
+            attn_plain = imax(attn_plain, resid + norm_b - o_dw)
         moments = {"layer": (layer_tr, ck_layer), "attention": (attn_plain, attn_plain + net),
                    "post": (resid - plain_freed, resid - kept_bytes)}
         mixed = (base_bwd, unit_layers, ck, tr.recompute_every, plain_freed, kept_bytes, moments)
@@ -2917,11 +3106,14 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         forward_bytes=held + w_last + fwd_tr,
         backward_first_bytes=held + w_last + loss_casts + bwd_tr,
         backward_later_bytes=held_later + w_last + loss_casts + where(total_units > 1, bwd_tr, 0) + sent,
+        backward_final_norm_bytes=where(has_norm_bwd, held + w_last + loss_casts + norm_bwd, _NEVER),
+        backward_later_final_norm_bytes=where(has_norm_bwd & (total_units > 1),
+                                              held_later + w_last + loss_casts + norm_bwd + sent, _NEVER),
         backward_layer_bytes=layer_bwd,
         backward_attention_bytes=attn_bwd,
         backward_later_layer_bytes=where(total_units > 1, later_layer_bwd - held + held_later + sent + late_dw
                                          + _tied_held_grad(run, stage), 0),
-        backward_later_attention_bytes=where(total_units > 1, attn_bwd - held + held_later + sent + late_dw
+        backward_later_attention_bytes=where(total_units > 1, attn_bwd_later - held + held_later + sent + late_dw
                                              + _tied_held_grad(run, stage), _NEVER),
         backward_end_bytes=_first_backward_end(run, stage),
         backward_root_bytes=_fsdp_root_backward(run),
@@ -2929,7 +3121,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_later_head_bytes=where(total_units > 1, later_head, _NEVER),
         layer_k_extra_bytes=layer_k_extra,
         drain_less_bytes=where(total_units > units, freed, 0),
-        forward_head_bytes=base + w_last + where(last, _head_moment(run, logits, dq_head_fwd), 0),
+        forward_head_bytes=base + w_last + where(last, imax(_head_moment(run, logits, dq_head_fwd),
+                                                            _final_norm_moment(run)), 0),
         forward_layer_bytes=where((unit_layers == 1) & (first_copy_out != _NEVER), _NEVER,
                                   base - last_layer + w_prev + x_last),
         forward_first_layer_bytes=first_copy_out,

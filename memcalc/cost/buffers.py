@@ -557,6 +557,17 @@ def pipelined_fsdp_grad_bytes(run: Run, stage: Num) -> Num:
     return where(pipelined_fsdp(run) == 1, DTYPE_BYTES[run.recipe.grad_dtype] * elems, 0)
 
 
+def fsdp_unsharded_grad_bytes(run: Run, stage: Num, elems: Num) -> Num:
+    """FSDP2 (ZeRO-2/3 over a shard group of more than one rank, no torch pipelining): the unsharded gradient bytes
+    of `elems` parameter elements between their backward and their unit's reduce-scatter, in the compute dtype,
+    for the trainable share of the stage's parameters (as `_torch_buffers` counts them); 0 elsewhere."""
+    if run.profile != "torch" or run.zero < 2:
+        return 0
+    per_unit = (run.shard_degree > 1) & (pipelined_fsdp(run) == 0)
+    cb = DTYPE_BYTES[run.recipe.compute_dtype]
+    return where(per_unit, muldiv(cb * elems, _trainable_elems(run, stage), imax(_stage_elems(run, stage), 1)), 0)
+
+
 def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     r = run.recipe
     d = run.shard_degree

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from memcalc.specs import ModelSpec, Run, lora_projections
+from memcalc.specs import DTYPE_BYTES, ModelSpec, Run, lora_projections
 from memcalc.xp import cdiv, imax, imin, muldiv, per_value, where
 
 Num = Any
@@ -499,6 +499,26 @@ def pipelined_fsdp(run: Run) -> Num:
     once, after its last backward (`perform_reduce_grad`); else 0."""
     return where(run.pp > 1, fsdp_sharded(run), 0) if run.profile == "torch" else 0
 
+
+
+def grads_persistent(run: Run) -> bool:
+    """The framework keeps its gradient buffers allocated between steps (Megatron's contiguous grad buffer,
+    DeepSpeed's partitioned gradients); torch's `.grad` tensors are made by each first backward."""
+    return run.profile in ("megatron", "deepspeed")
+
+
+def first_grad_bytes(run: Run) -> Num:
+    """Bytes per parameter of the gradients a first backward allocates where gradients are not persistent (none
+    with --freeze, whose first backward's weights may all be frozen); under FSDP2 they are unsharded gradients, a
+    buffer until their reduce-scatter (buffers.py), not a gradient state."""
+    t = run.training
+    if t.freeze:
+        return 0
+    fsdp = 1 if (run.profile == "torch" and run.zero >= 2) else 0
+    # (torch pipelining over FSDP2 keeps them unsharded, in the compute dtype, to the unit's post-backward, then
+    # accumulates them: counted as gradients, `buffers.pipelined_fsdp_grad_bytes`)
+    plain = DTYPE_BYTES[run.recipe.grad_dtype] * where(run.shard_degree > 1, 1 - fsdp, 1)
+    return where(pipelined_fsdp(run) == 1, DTYPE_BYTES[run.recipe.compute_dtype], plain)
 
 def steps_every_tensor(run: Run) -> Num:
     """1 where this rank's optimizer steps every parameter it holds (no ZeRO-1 partition over a larger group)."""

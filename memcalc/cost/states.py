@@ -30,6 +30,7 @@ from typing import Any
 
 from memcalc.cost.params import (
     attention_matrix_shapes,
+    grads_persistent,
     mlp_matrix_shapes,
     mlp_width,
     replicated_embedding_grad,
@@ -239,7 +240,7 @@ def model_states(run: Run, stage: Num = 0) -> ModelStates:
         cpu = cpu + params + grads + frozen
         params, grads, frozen = 0 * n, 0 * n, 0 * n
 
-    persistent = run.profile in ("megatron", "deepspeed")
+    persistent = grads_persistent(run)
     return ModelStates(
         params=params + frozen,
         master_weights=master,

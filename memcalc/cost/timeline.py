@@ -48,10 +48,12 @@ from memcalc.cost.params import (
     early_chunks_trainable,
     first_attention_grad_elems,
     first_backward_grad_elems,
+    first_grad_bytes,
     fsdp_sharded,
     interleave_rounds,
     layer_params,
     lora_first_grad_elems,
+    lora_layer_params,
     pipelined_fsdp,
     stage_layers,
     stage_param_split,
@@ -134,29 +136,20 @@ def _highest(*moments: dict[str, Num]) -> dict[str, Num]:
     return best
 
 
-def _first_grad_bytes(run: Run) -> Num:
-    """Bytes per parameter of the gradients a first backward allocates where gradients are not persistent (none
-    with --freeze, whose first backward's weights may all be frozen); under FSDP2 they are unsharded gradients, a
-    buffer until their reduce-scatter (buffers.py), not a gradient state."""
-    t = run.training
-    if t.freeze:
-        return 0
-    fsdp = 1 if (run.profile == "torch" and run.zero >= 2) else 0
-    # (torch pipelining over FSDP2 keeps them unsharded, in the compute dtype, to the unit's post-backward, then
-    # accumulates them: counted as gradients, `buffers.pipelined_fsdp_grad_bytes`)
-    plain = DTYPE_BYTES[run.recipe.grad_dtype] * where(run.shard_degree > 1, 1 - fsdp, 1)
-    return where(pipelined_fsdp(run) == 1, DTYPE_BYTES[run.recipe.compute_dtype], plain)
+# gradient bytes made by a first backward at its first layer's MLP moment, its attention core's, its final norm's
+_FirstGrads = tuple[Num, Num, Num]
 
 
-def _first_grads(run: Run, stage: Num) -> tuple[Num, Num]:
+def _first_grads(run: Run, stage: Num) -> _FirstGrads:
     """Gradient bytes allocated when the first layer's backward reaches its highest moment (the MLP's:
-    params.first_backward_grad_elems) and its attention core's (params.first_attention_grad_elems)."""
-    gb = _first_grad_bytes(run)
+    params.first_backward_grad_elems) and its attention core's (params.first_attention_grad_elems), and before
+    either, at the final norm's backward (the LM head's and the norm's own)."""
+    gb = first_grad_bytes(run)
     if run.training.lora_rank is not None:  # the frozen base makes none: the adapters' (params.lora_first_grad_elems)
         down, after_core = lora_first_grad_elems(run)
-        return gb * down, gb * after_core
+        return gb * down, gb * after_core, 0 * gb
     head, down = first_backward_grad_elems(run, stage)
-    return gb * (head + down), gb * first_attention_grad_elems(run, stage)
+    return gb * (head + down), gb * first_attention_grad_elems(run, stage), gb * head
 
 
 def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
@@ -179,6 +172,12 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
     # (and beside it, FSDP2's unsharded grads of the layer's later weights, tagged "backward_attention")
     at["backward_attention"] = (at["backward_layer"] - amp_casts_freed_at_attention(run)
                                 + at.get("backward_attention", 0))
+    # the final norm's backward: after the LM head's, which freed its autocast copy and made its (FSDP2: unsharded)
+    # gradient
+    head_grads = bufs["fsdp_head_grads"] if "fsdp_head_grads" in bufs else None
+    at["backward_final_norm"] = (at.get("backward", 0) - amp_head_cast_freed(run)
+                                 + (head_grads.bytes if head_grads else 0))
+    side_at["backward_final_norm"] = side_at.get("backward", 0) + (head_grads.side_stream_bytes if head_grads else 0)
     # the last layer's MLP in forward: its down projection and the LM head not yet cast (at the down projection:
     # the head)
     casts = bufs["amp_weight_casts"].bytes if "amp_weight_casts" in bufs else 0
@@ -258,6 +257,11 @@ def _layer_shares(run: Run, stage: Num) -> _Shares:
     beyond two chunks)."""
     dense_l, expert_l = layer_params(run.model, run.tp, run.ep)
     dense_s, expert_s = stage_params(run, stage)
+    t = run.training
+    if t.lora_rank is not None:
+        # LoRA: only the adapters make gradients, the same in every layer (the embedding and head are frozen)
+        dense_l, expert_l = lora_layer_params(run.model, t.lora_targets, t.lora_rank, run.tp), 0
+        dense_s, expert_s = stage_param_split(run, stage).trainable, 0
     freed = fsdp_backward_release_bytes(run, stage) + amp_layer_casts_freed(run)
     acc = pipelined_fsdp_grad_bytes(run, stage)
     unit = -fsdp_backward_release_bytes(run, stage)  # a gathered layer, where `acc` is not 0
@@ -284,7 +288,7 @@ def _layer_shares(run: Run, stage: Num) -> _Shares:
             regather, later_regathers, cool_down, not_yet)
 
 
-def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
+def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: _FirstGrads,
             shares: _Shares) -> tuple[Phase, ...]:
     """The phases of the step: each the highest of its moments (`_moments`)."""
     fwd, bwd, opt, _ = _moments(run, s, act, at, grads, first_grads, shares)
@@ -295,7 +299,7 @@ def _phases(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, 
     )
 
 
-def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
+def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: _FirstGrads,
                    shares: _Shares, stranded: Num) -> tuple[Num, Num, Num, Num]:
     """(highest total over every moment of the step, the same with `stranded` bytes added at the loss gradient:
     the first backward's, and a later micro-batch's where there is one; the highest forward or backward moment
@@ -309,7 +313,7 @@ def _reserved_peak(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads
     return peak, imax(peak, at_loss), imax(fb, at_loss), _total(opt)
 
 
-def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: tuple[Num, Num],
+def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num, first_grads: _FirstGrads,
              shares: _Shares
              ) -> tuple[list[dict[str, Num]], list[dict[str, Num]], dict[str, Num],
                                                tuple[dict[str, Num], dict[str, Num]]]:
@@ -383,12 +387,13 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     # gradients are not made yet, `_layer_shares`; the step's other later backwards hold fewer chunks)
     layer_elems, stage_elems, rel, root_shard, _, copy_in, later_regathers, cool_down, _ = shares
     if s.grads_persistent:
-        first_g, layer_g, attn_g, all_g, later_g = grads, grads, grads, grads, grads
+        first_g, layer_g, attn_g, all_g, later_g, norm_g = grads, grads, grads, grads, grads, grads
         later_act = act.backward_first_bytes
     else:
         all_g = where(piped, acc, grads)
         later_g = all_g - muldiv(all_g, not_yet[0], not_yet[1])
         first_g, layer_g, attn_g = zero, imin(first_grads[0], later_g), imin(first_grads[1], later_g)
+        norm_g = imin(first_grads[2], later_g)
         later_act = act.backward_later_bytes
     # ... and where every gradient is made (the first chunk's later backwards), torch pipelining over FSDP2 has
     # reduced the later chunks' (`REDUCE_GRAD` after a stage's last backward, torch/distributed/pipelining/
@@ -492,6 +497,9 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
 
     bwd = [
         first_loss,
+        # the final norm's backward (an eager fp32 RMSNorm's; _NEVER elsewhere), first and later micro-batch
+        moment(norm_g, act.backward_final_norm_bytes, buf("backward_final_norm")),
+        if_later(moment(later_g, act.backward_later_final_norm_bytes, buf("backward_final_norm"))),
         moment(layer_g, act.backward_layer_bytes, buf("backward_layer") + where(more, pre, 0)),
         # the first layer's attention core (its output projection's and MLP's gradients made by then)
         moment(attn_g, act.backward_attention_bytes, buf("backward_attention") + where(more, pre, 0)),
