@@ -105,3 +105,18 @@ def test_fp32_norm_moments_against_the_harness(case):
         pred = rep["predicted"]["phases"][phase]["peak_bytes"]
         meas = rep["measured"]["phases"][phase]["peak_bytes"]
         assert abs(pred - meas) <= 8192, (case, phase, pred, meas)
+
+
+def test_eager_fp32_norms_run_under_tensor_parallelism_without_sp():
+    """The harness replicates the eager fp32 norm's weight over the TP mesh like nn.RMSNorm's (it had mixed a
+    DTensor weight with the plain input and failed: `validate --tp 2 --norm-impl fp32`); the final norm's and the MLP
+    norms' moments hold there too (f = h/2)."""
+    pytest.importorskip("torch")
+    from memcalc.validate.api import validate
+
+    run = run_of(**{**TOY, "ffn": 64}, gpus=2, tp=2)
+    rep = validate(run, device="meta", world="fake", steps=1, timeout=300)
+    for phase in ("forward", "backward", "optimizer"):
+        pred = rep["predicted"]["phases"][phase]["peak_bytes"]
+        meas = rep["measured"]["phases"][phase]["peak_bytes"]
+        assert abs(pred - meas) <= 8192, (phase, pred, meas)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from memcalc.specs import Run
-from memcalc.validate.model import GPT, inner_block
+from memcalc.validate.model import GPT, EagerRMSNorm, inner_block
 
 
 class Unsupported(Exception):
@@ -216,7 +216,7 @@ def _replicate_rest(model: nn.Module, tp_mesh: Any) -> None:
         plain = [p for p in mod.parameters(recurse=False) if not isinstance(p, DTensor)]
         if not plain:
             continue
-        if isinstance(mod, (nn.RMSNorm, nn.LayerNorm)):
+        if isinstance(mod, (nn.RMSNorm, nn.LayerNorm, EagerRMSNorm)):
             distribute_module(mod, tp_mesh, input_fn=inp, output_fn=out)
         else:  # read directly by the parent (learned positions)
             distribute_module(mod, tp_mesh)
