@@ -797,7 +797,39 @@ def _head_live(run: Run) -> Num:
         copies = where((run.micro_batch > 1) | (ac == 1), copies, 0)
     else:
         copies = where(ac == 1, saved_all, 0)
-    return last_stage_terms(run)["final_norm"] + head_in + copies
+    return last_stage_terms(run)["final_norm"] + head_in + copies + _sp_head_input(run)
+
+
+def _sp_head_input(run: Run) -> Num:
+    """torch with SP (tp > 1): the final norm's sequence-sharded output, which the LM head's call references while
+    its input is the all-gather of it, to the head's return (the stream's dtype); 0 elsewhere. Measured by the
+    harness (the head's all-gather was the forward's peak of an fp32 model with an eager fp32 norm: -0.44%)."""
+    if run.profile != "torch" or not run.sp:
+        return 0
+    c, _, tok_sp, _ = _shape(run)
+    return where(run.tp > 1, _stream_bytes(run, c) * tok_sp * run.model.hidden, 0)
+
+
+def _sp_head_grad_scatter(run: Run) -> Num:
+    """torch with SP (tp > 1), the LM head's backward: its input gradient over all the tokens, the reduce-scatter's
+    concatenated input (funcol's `reduce_scatter_tensor` over the sequence dimension copies the chunks into one
+    tensor) and its sequence-sharded output, in the stream's dtype, the loss's and the logits' terms freed; 0
+    elsewhere. Measured by the harness: a narrow fp32 model's backward peaked here (-2.7% without it)."""
+    if run.profile != "torch" or not run.sp:
+        return 0
+    c, _, tok_sp, tok_in = _shape(run)
+    stream = _stream_bytes(run, c)
+    return where(run.tp > 1, 2 * stream * tok_in * run.model.hidden + stream * tok_sp * run.model.hidden, 0)
+
+
+def _sp_head_gather(run: Run) -> Num:
+    """torch with SP (tp > 1), beyond the layers' terms: the LM head's input all-gather, whose raw output (rank-major)
+    and its reordering into the sequence dimension (`torch.cat` of the chunks, funcol's `all_gather_tensor`) are
+    both live beside the final norm's saved terms and its sharded output (`_sp_head_input`); 0 elsewhere."""
+    sharded = _sp_head_input(run)
+    c, _, _, tok_in = _shape(run)
+    gathered = _stream_bytes(run, c) * tok_in * run.model.hidden
+    return where(sharded > 0, last_stage_terms(run)["final_norm"] + sharded + 2 * gathered, 0)
 
 
 def _head_moment(run: Run, logits: Num, dq_head_fwd: Num) -> Num:
@@ -2069,6 +2101,11 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
         before = before + _qk_copied(run) * (1 - f32) * c * tok * m.head_dim * (
             heads + (kv if m.kv_heads == m.heads else 0))
     before = before + originals
+    if run.sp:
+        # under SP the attention's input is the all-gather of the norm's sequence-sharded output, which the layer's
+        # call still references (the stream's dtype). Measured by the harness: -0.5% to -1.6% of the forward
+        # without it, every recompute mode (tests/test_validate_attention.py)
+        before = before + where(run.tp > 1, _stream_bytes(run, c) * _shape(run)[2] * m.hidden, 0)
     if mode in ("none", "selective"):
         # under autocast the norm's output is fp32 and the q/k/v projections save their own casts of it
         # (`qkv_input`): the fp32 output stays referenced by the attention's forward beside them
@@ -2257,6 +2294,21 @@ def _sp_gathered_grad(run: Run) -> Num:
         return 0
     c, tok, _, _ = _shape(run)
     return where(run.tp > 1, c * tok * run.model.hidden, 0)
+
+
+def _sp_grad_gather(run: Run, terms: dict[str, Num]) -> Num:
+    """torch SP: a layer's backward starts with its output gradient's all-gather (the backward of the row-parallel
+    output's reduce-scatter), whose raw output and sequence-ordered copy (`_sp_gathered_grad` each) are both live
+    beside the incoming gradient, the saved set and, where the output dropout's backward ran first (its mask
+    freed), its scaled gradient (`layer_backward_transient`'s `out_grad`, also autocast's cast): before the down
+    projection's backward, so before its weight gradient and (without dropout) a checkpointed layer's re-run.
+    The highest of the layer's moments where f/t is below h (measured by the harness under FSDP2: -1.0% of a
+    toy's backward without it). 0 elsewhere."""
+    gathered = _sp_gathered_grad(run)
+    c, _, tok_sp, _ = _shape(run)
+    dropped = run.dropout > 0
+    out_grad = c * tok_sp * run.model.hidden * imax(_autocast(run), 1 if dropped else 0)
+    return where(gathered > 0, 2 * gathered + out_grad - terms.get("mlp_residual_dropout_mask", 0), 0)
 
 
 def _residual_grad_bytes(run: Run) -> Num:
@@ -2878,8 +2930,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     if run.profile == "megatron":
         head_bwd_tr = imax(head_bwd_tr, where(last, _megatron_head_backward(run), 0))
     bwd_tr = imax(imax(loss_bwd, core_tr), head_bwd_tr)
-    # the final norm's backward, after the loss's and the LM head's have freed their terms (but its own)
-    norm_bwd = _final_norm_backward(run)
+    # the end of the LM head's backward (under SP its input gradient's reduce-scatter) and the final norm's
+    # backward: the loss's and the head's terms freed, the norm's own saved set live
+    norm_bwd = imax(_final_norm_backward(run), _sp_head_grad_scatter(run))
     has_norm_bwd = last & (norm_bwd > 0)
     norm_bwd = norm_bwd - (head_freed - last_stage_terms(run)["final_norm"])
     # (a first micro-batch's: each layer's down weight gradient is counted made at its moment, `_down_wgrad_bytes`)
@@ -2909,6 +2962,11 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             # for plain layers freed before it)
             x = _residual_grad_bytes(run) + core_rerun - shared - rerun_net
             re_run = imax(re_run, where(ck > 0, remat + x, 0))
+    # under SP the output gradient's all-gather (`_sp_grad_gather`), before the down projection's backward and,
+    # without the output dropout's mask to unpack first, before a checkpointed layer's re-run
+    gather = _sp_grad_gather(run, plain)
+    gather_remat = remat if mode in ("full", "op") and run.dropout > 0 else 0
+    gather_at = where(gather > 0, _residual_grad_bytes(run) + gather + gather_remat, _NEVER)
     # (the re-run precedes the layer's own backward: on a first backward the down projection's (or its adapter's)
     # weight gradient, which the timeline counts made at the layer's moments (`_first_grads`, FSDP2's unsharded one
     # in the layer's buffers), is not made yet)
@@ -2917,19 +2975,20 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     rerun_dw = 0 if grads_persistent(run) else (first_grad_bytes(run) * own_down
                                                  + fsdp_unsharded_grad_bytes(run, stage, down_elems))
     re_run_first = where(re_run > 0, re_run - rerun_dw, 0)
-    at_layer = imax(imax(_layer_moment(mode, layer_tr, remat), dense_at), re_run_first)
+    at_layer = imax(imax(imax(_layer_moment(mode, layer_tr, remat), dense_at), re_run_first), gather_at - rerun_dw)
     # torch pipelining, every stage but the last: the stage's last layer (the first in backward) gets its output's
     # gradient in the receive buffer (`pipeline_recv_buffers`), not in a new tensor; the later layers' is new
     recv_stream = where(last, 0, _residual_grad_bytes(run)) if run.profile == "torch" and not off else 0
-    at_first_layer = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream, dw_first,
-                                                                            dw_counted),
-                                             remat), dense_at), re_run_first)
+    at_first_layer = imax(imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream, dw_first,
+                                                                                 dw_counted),
+                                                  remat), dense_at), re_run_first),
+                          gather_at - recv_stream - rerun_dw)
     # a later micro-batch's (every weight gradient held in `.grad` already; under torch pipelining the down
     # projection's compute-dtype gradient counted waiting, `late_dw`, is not made by the composite norm's moment)
     dw_later = where(m.post_norms, late_down, 0) if not off else 0
-    at_later_layer = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream, dw_later,
-                                                                            0 if off else late_down),
-                                             remat), dense_at), re_run)
+    at_later_layer = imax(imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream, dw_later,
+                                                                                 0 if off else late_down),
+                                                  remat), dense_at), re_run), gather_at - recv_stream)
     layer_k_extra = at_layer - at_first_layer  # added back for the stage's later layers (timeline `acts_at`)
     # the logits at the LM head's matmul; a model that returns them upcast (`--keep-logits fp32`) makes the fp32
     # copy right there, while the loop still holds the previous micro-batch's (in `base`)
@@ -3121,8 +3180,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         backward_later_head_bytes=where(total_units > 1, later_head, _NEVER),
         layer_k_extra_bytes=layer_k_extra,
         drain_less_bytes=where(total_units > units, freed, 0),
-        forward_head_bytes=base + w_last + where(last, imax(_head_moment(run, logits, dq_head_fwd),
-                                                            _final_norm_moment(run)), 0),
+        forward_head_bytes=base + w_last + where(last, imax(imax(_head_moment(run, logits, dq_head_fwd),
+                                                                 _final_norm_moment(run)), _sp_head_gather(run)), 0),
         forward_layer_bytes=where((unit_layers == 1) & (first_copy_out != _NEVER), _NEVER,
                                   base - last_layer + w_prev + x_last),
         forward_first_layer_bytes=first_copy_out,
