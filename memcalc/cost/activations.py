@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcalc.cost.buffers import amp_copies_held, fsdp_unsharded_grad_bytes
+from memcalc.cost.buffers import amp_copies_held, amp_head_cast_freed, fsdp_unsharded_grad_bytes
 from memcalc.cost.params import (
     attention_matrix_shapes,
     cast_grad_elems,
@@ -824,12 +824,17 @@ def _sp_head_grad_scatter(run: Run) -> Num:
 
 def _sp_head_gather(run: Run) -> Num:
     """torch with SP (tp > 1), beyond the layers' terms: the LM head's input all-gather, whose raw output (rank-major)
-    and its reordering into the sequence dimension (`torch.cat` of the chunks, funcol's `all_gather_tensor`) are
-    both live beside the final norm's saved terms and its sharded output (`_sp_head_input`); 0 elsewhere."""
+    and, with several sequences per micro-batch, its reordering into the sequence dimension (`torch.cat` of the
+    chunks) are both live beside the final norm's saved terms and its sharded output (`_sp_head_input`); 0
+    elsewhere. Measured by the harness (tests/test_validate_sp_moments.py, micro-batches of 1 and 2)."""
     sharded = _sp_head_input(run)
     c, _, _, tok_in = _shape(run)
     gathered = _stream_bytes(run, c) * tok_in * run.model.hidden
-    return where(sharded > 0, last_stage_terms(run)["final_norm"] + sharded + 2 * gathered, 0)
+    # (one sequence per micro-batch: the raw output is already sequence-ordered, no copy; under AMP the head's
+    # weight cast, counted in the buffers at the head, is not made yet)
+    copies = where(run.micro_batch > 1, 2, 1)
+    moment = last_stage_terms(run)["final_norm"] + sharded + copies * gathered - amp_head_cast_freed(run)
+    return where(sharded > 0, moment, 0)
 
 
 def _head_moment(run: Run, logits: Num, dq_head_fwd: Num) -> Num:
