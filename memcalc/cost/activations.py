@@ -1229,8 +1229,9 @@ class StageActivations:
     forward_bytes: Num  # held + the forward transient (logits at the loss, or ring-attention K/V)
     backward_first_bytes: Num  # held + the backward transient, at the start of the stage's first backward
     backward_later_bytes: Num  # at the start of a later backward (earlier ones have allocated the grads)
-    # the final norm's backward, first and later micro-batch: the loss and LM-head terms freed, the norm's own
-    # transients live (`_final_norm_backward`; _NEVER where the norm's backward is not modelled: a fused kernel)
+    # the end of the LM head's backward (SP's reduce-scatter, `_sp_head_grad_scatter`) and the final norm's backward
+    # (`_final_norm_backward`), first and later micro-batch: the loss and LM-head terms freed, the norm's saved set
+    # live; _NEVER where neither is modelled (a fused norm, no SP)
     backward_final_norm_bytes: Num
     backward_later_final_norm_bytes: Num
     # inside the first layer's backward of the stage's first backward: the loss terms freed, the layer's

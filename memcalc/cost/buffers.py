@@ -710,11 +710,11 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     per_unit = sharded & (pipelined_fsdp(run) == 0)
     head_g, down_g = first_backward_grad_elems(run, stage)
     out["fsdp_head_grads"] = Buffer(
-        where(per_unit, muldiv(cb * head_g, share_num, share_den), 0),
+        fsdp_unsharded_grad_bytes(run, stage, head_g),
         frozenset({"backward_layer", "backward_post", "backward_root", "backward_copy_out", "backward_layer_end"}),
         "unsharded grads of the LM head and final norm (reduced with the root, at the end of backward)")
     out["fsdp_unsharded_grads"] = Buffer(
-        where(per_unit, muldiv(cb * down_g, share_num, share_den), 0), frozenset({"backward_layer"}),
+        fsdp_unsharded_grad_bytes(run, stage, down_g), frozenset({"backward_layer"}),
         "unsharded grad of the down projection, the first weight gradient of a layer's backward")
     # the attention core's backward: the unsharded grads its layer's backward made before it (output projection,
     # MLP, the MLP's norm), the down projection's counted above; `timeline` adds this tag to the core's moments.
@@ -722,7 +722,7 @@ def _torch_buffers(run: Run, stage: Num) -> dict[str, Buffer]:
     # (tests/test_validate_fsdp_moments.py)
     mats, mlp_norm = after_core_layer_elems(run)
     out["fsdp_after_core_unsharded_grads"] = Buffer(
-        where(per_unit, muldiv(cb * imax(mats + mlp_norm - down_g, 0), share_num, share_den), 0),
+        fsdp_unsharded_grad_bytes(run, stage, imax(mats + mlp_norm - down_g, 0)),
         frozenset({"backward_attention"}),
         "unsharded grads of a layer's output projection and MLP, live at its attention core's backward")
     # the end of a layer's backward: all its unsharded grads, before its post-backward (weight-heavy layers: short

@@ -497,7 +497,8 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
 
     bwd = [
         first_loss,
-        # the final norm's backward (an eager fp32 RMSNorm's; _NEVER elsewhere), first and later micro-batch
+        # the end of the LM head's backward under SP and the final norm's (an eager fp32 RMSNorm's; _NEVER
+        # elsewhere), first and later micro-batch
         moment(norm_g, act.backward_final_norm_bytes, buf("backward_final_norm")),
         if_later(moment(later_g, act.backward_later_final_norm_bytes, buf("backward_final_norm"))),
         moment(layer_g, act.backward_layer_bytes, buf("backward_layer") + where(more, pre, 0)),
