@@ -710,7 +710,9 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "counted. Real gloo worlds are not fully deterministic: gloo's worker thread may still hold the previous",
            "FSDP2 all-gather output when the next one is allocated, so an FSDP2 ZeRO-3 row can measure one flat",
            "all-gather buffer more from run to run (seen on row 27: 3,809,324 or 3,875,372 bytes; row 63: "
-           "2,201,036 or 2,227,916).",
+           "2,201,036 or 2,227,916). Since 2026-11-28 the tracker notes every storage freed off the main thread,",
+           "and `validate` measures a run again where such bytes are live at its peak, keeping the lower peak",
+           "(`late_free_bytes`, docs/json.md).",
            "Activation offloading (`--offload-activations`, memcalc/validate/offload.py) copies each block's saved",
            "storages to untracked host memory (pinned on CUDA) and reloads them one block ahead in backward.",
            "",

@@ -117,7 +117,7 @@ def test_model_states_count_one_steps_gradients_whatever_the_steps():
     run = run_of(**TINY, precision="fp32")
     rep = validate(run, device="cpu", world="fake", steps=3, tolerance=0.03, timeout=120)
     assert rep["measured"]["model_states"]["grads"] == 4 * P
-    assert rep["measured"]["model_states"]["params"] == 4 * P and rep["schema_version"] == "1.4"
+    assert rep["measured"]["model_states"]["params"] == 4 * P and rep["schema_version"] == "1.5"
 
 
 def test_zero1_all_reduce_and_broadcast():

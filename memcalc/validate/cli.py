@@ -48,6 +48,10 @@ def render(report: dict[str, Any]) -> str:
                      f"{_fmt_err(r['error']):>9}  {r['verdict']}")
     lines.append(f"tracked peak: predicted {_fmt_bytes(p['peak_bytes'])} ({p['peak_phase']}), measured "
                  f"{_fmt_bytes(m['peak_bytes'])} ({m['peak_phase']})")
+    other = report.get("remeasured_other_peak_bytes")
+    if other is not None:
+        lines.append(f"measured twice: gloo's worker thread had not yet freed a collective's tensors at one run's "
+                     f"peak; the lower peak is kept (the other run's: {_fmt_bytes(other)})")
     if report.get("peak_moments_differ"):
         lines.append(f"the two peaks are different moments (activations live: predicted "
                      f"{_fmt_bytes(p['components'].get('activations', 0))}, measured "

@@ -14,7 +14,7 @@ from typing import Any
 
 # 1.1: `cuda` (the GPU's counters; on a GPU the headline error is theirs), allocator replay; 1.2: `seq_lengths`
 # (--seq-lengths), and `model_states.grads` counts one step's gradients whatever --steps
-SCHEMA_VERSION = "1.4"
+SCHEMA_VERSION = "1.5"
 CATEGORIES = ("params", "master_weights", "grads", "optimizer", "activations", "buffers")
 GPU_ONLY_BUFFERS = ("cublas_workspaces", "te_cublas_workspace")
 # A point-to-point transfer is one `send/recv` of the rank that sends it (the prediction counts the bytes a GPU

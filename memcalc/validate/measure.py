@@ -106,6 +106,12 @@ class Tracker(TorchDispatchMode):
         # op -> [largest bytes the op allocated beyond its new outputs, calls] (MEMCALC_CUDA_DIAG; resets the
         # allocator's peak around every op, so a diagnosed run's per-phase CUDA figures are not measurements)
         self.scratch: dict[str, list[int]] | None = None
+        # gloo runs collectives on worker threads that drop their references to a finished collective's tensors
+        # a moment after its wait returns: a storage whose last reference such a thread held is freed there, late
+        # in the log (it may count at a peak the main thread's program order never reaches). Set by the harness
+        # on a real gloo world: uid -> index of the free event of each storage freed off the main thread.
+        self.watch_late_frees = False
+        self.late_frees: dict[int, int] = {}
 
     # -- lifecycle
     def __enter__(self) -> "Tracker":
@@ -188,6 +194,8 @@ class Tracker(TorchDispatchMode):
                 return
             n = self.sizes.pop(key)
             del self.uid[key]
+            if self.watch_late_frees and threading.current_thread() is not threading.main_thread():
+                self.late_frees[uid] = len(self.events)
             self.events.append((uid, -n))
             self.streams.append(None)
 
@@ -359,6 +367,7 @@ def replay(tr: Tracker, categories: dict[int, str], start_mark: int) -> dict[str
 
     by_cat: dict[str, int] = defaultdict(int)
     total = 0
+    now = -1  # index of the event just applied
     marks = tr.marks
     start_event = marks[start_mark][0]
     phases: dict[str, dict[str, Any]] = {}
@@ -366,9 +375,9 @@ def replay(tr: Tracker, categories: dict[int, str], start_mark: int) -> dict[str
     current: str | None = None
 
     def observe(phase: str) -> None:
-        ph = phases.setdefault(phase, {"peak": -1, "live": {}})
+        ph = phases.setdefault(phase, {"peak": -1, "live": {}, "at": -1})
         if total > ph["peak"]:
-            ph["peak"], ph["live"] = total, dict(by_cat)
+            ph["peak"], ph["live"], ph["at"] = total, dict(by_cat), now
 
     def enter_marks(upto: int) -> None:
         nonlocal mark_i, current
@@ -378,15 +387,23 @@ def replay(tr: Tracker, categories: dict[int, str], start_mark: int) -> dict[str
                 observe(current)
             mark_i += 1
 
+    born: dict[int, int] = {}  # uid -> allocation event index, of the storages freed late (Tracker.late_frees)
     for i, (uid, delta) in enumerate(tr.events):
         enter_marks(i)
+        if uid in tr.late_frees and uid not in born:
+            born[uid] = i
         by_cat[cat_of(uid)] += delta
         total += delta
+        now = i
         if i >= start_event and current is not None:
             observe(current)
     enter_marks(max((m[0] for m in marks), default=0))  # marks after the last event
     for ph in phases.values():
         ph["live"] = {k: int(ph["live"].get(k, 0)) for k in FINE}
+        # bytes of storages freed late by a collective's worker thread yet live at this peak: the peak may hold
+        # them only because that thread had not yet let go (0: the peak is the program's own)
+        at = ph.pop("at")
+        ph["late_free_bytes"] = sum(-tr.events[f][1] for u, f in tr.late_frees.items() if born.get(u, f) <= at < f)
     return phases
 
 
