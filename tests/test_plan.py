@@ -36,7 +36,8 @@ def _args(command: str) -> list[str]:
 @pytest.fixture(scope="module")
 def gpt3():
     req = Request(dataclasses.replace(GPT3), top=3)
-    return search(req), plan(req)
+    res = search(req)
+    return res, plan(req, res=res)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,8 @@ def small():
     2 on the rest)."""
     o = RunOptions(model="llama-2-13b", gpus=16, gpu="h100-sxm-80gb", global_batch=64, seq=4096, profile="torch")
     req = Request(o, top=4)
-    return search(req), plan(req)
+    res = search(req)
+    return res, plan(req, res=res)
 
 
 def test_counts_add_up(gpt3, small):
@@ -271,10 +273,11 @@ def test_objectives_and_pareto(small):
 def test_objective_gpus_finds_fewest():
     o = RunOptions(model="llama-2-7b", gpus=16, gpu="h100-sxm-80gb", global_batch=64, seq=4096)
     b = parse_bounds(pp="1", vpp="1", cp="1", offload="none")
-    out = plan(Request(o, bounds=b, objective="gpus", top=3))
+    req = Request(o, bounds=b, objective="gpus", top=3)
+    res = search(req)
+    out = plan(req, res=res)
     fewest = out["plans"][0]["layout"]["gpus"]
     assert fewest < 16
-    res = search(Request(o, bounds=b, objective="gpus"))
     assert fewest == int(res.space.gpus[res.feasible.pair].min())
     est = cli_json(*_args(out["plans"][0]["command"]))
     assert est["memory"]["fits"] and est["inputs"]["parallel"]["gpus"] == fewest
@@ -287,9 +290,10 @@ def test_objective_gpus_puts_fits_with_room_first():
     with room, each group by fewest GPUs."""
     o = RunOptions(model="llama-2-13b", gpus=16, gpu="h100-sxm-80gb", global_batch=64, seq=4096)
     b = parse_bounds(offload="none")
-    out = plan(Request(o, bounds=b, objective="gpus", top=3))
+    req = Request(o, bounds=b, objective="gpus", top=3)
+    res = search(req)
+    out = plan(req, res=res)
     assert [(p["search"]["tight"], p["layout"]["gpus"]) for p in out["plans"]] == [(False, 4)] * 3
-    res = search(Request(o, bounds=b, objective="gpus"))
     order = ranked(res)
     tight, gpus = _tight(res)[order], res.space.gpus[res.feasible.pair][order]
     keys = list(zip(tight.tolist(), gpus.tolist()))

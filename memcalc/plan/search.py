@@ -508,11 +508,13 @@ def _advice(res: SearchResult) -> list[dict[str, Any]]:
     return out
 
 
-def plan(req: Request, progress: Progress | None = None, max_pareto: int = 50) -> dict[str, Any]:
-    """The whole `plan --json` object (docs/plan.md)."""
+def plan(req: Request, progress: Progress | None = None, max_pareto: int = 50,
+         res: SearchResult | None = None) -> dict[str, Any]:
+    """The whole `plan --json` object (docs/plan.md); `res`: `search(req)`'s result where it was already run."""
     from memcalc.cost.estimate import estimate, resolved_inputs
 
-    res = search(req, progress=progress)
+    if res is None:
+        res = search(req, progress=progress)
     order = ranked(res)
     plans = []
     for rank, i in enumerate(order[: req.top], start=1):

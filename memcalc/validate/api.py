@@ -77,31 +77,38 @@ def keep_lower_peak(first: dict[str, Any], again: Any) -> tuple[dict[str, Any], 
 def validate(run: Run, *, device: str = "auto", world: str = "real", steps: int = 1, warmup: int = 2,
              rank: int | None = None, tolerance: float = 0.03, timeout: float = 300.0,
              seq_lengths: str | None = None) -> dict[str, Any]:
-    """Raises parallelize.Unsupported (a configuration the harness cannot build) and runner.RankFailure.
-    `seq_lengths`: `--seq-lengths` (resolve_seq_lengths); the prediction stays the one for --seq tokens."""
-    from memcalc.cost.estimate import estimate
+    """The report of one rank (None: the predicted worst). Raises parallelize.Unsupported (a configuration the
+    harness cannot build) and runner.RankFailure. `seq_lengths`: `--seq-lengths` (resolve_seq_lengths); the
+    prediction stays the one for --seq tokens."""
+    reports = validate_ranks(run, ranks=None if rank is None else [rank], device=device, world=world, steps=steps,
+                             warmup=warmup, tolerance=tolerance, timeout=timeout, seq_lengths=seq_lengths)
+    return next(iter(reports.values()))
+
+
+def validate_ranks(run: Run, *, ranks: list[int] | None, device: str = "auto", world: str = "real",
+                   steps: int = 1, warmup: int = 2, tolerance: float = 0.03, timeout: float = 300.0,
+                   seq_lengths: str | None = None) -> dict[int, dict[str, Any]]:
+    """`validate`'s report for each rank of `ranks` (None: the predicted worst), each against its own pipeline
+    stage's prediction. A real world measures every rank in one run; a fake world runs each rank on its own."""
+    from memcalc.cost.estimate import estimate, resolved_inputs
     from memcalc.errors import InputError
     from memcalc.validate.compare import compare
     from memcalc.validate.parallelize import check_supported, mesh_coords
-    from memcalc.validate.runner import run_world
+    from memcalc.validate.runner import launched_by_torchrun, run_torchrun_rank, run_world
 
     device = resolve_device(device)
     check_supported(run, world, device)
-    from memcalc.validate.runner import launched_by_torchrun as _under_torchrun
-
-    if world == "real" and device == "cuda" and not _under_torchrun():
+    if world == "real" and device == "cuda" and not launched_by_torchrun():
         import torch
 
         if torch.cuda.device_count() < int(run.gpus):
             raise InputError(f"--world real needs {run.gpus} GPUs, this machine has {torch.cuda.device_count()}; "
                              "use --world fake")
-    head = estimate(run, advice=False)
-    if rank is None:
-        rank = int(head.memory.worst_rank)
-    if not 0 <= rank < int(run.gpus):
-        raise InputError(f"--rank {rank} is not a rank of this layout; valid: 0..{int(run.gpus) - 1}")
-    stage = mesh_coords(run, rank)["pp"]
-    est = estimate(run, stage=stage, advice=False)
+    if ranks is None:
+        ranks = [int(estimate(run, advice=False).memory.worst_rank)]
+    for rank in ranks:
+        if not 0 <= rank < int(run.gpus):
+            raise InputError(f"--rank {rank} is not a rank of this layout; valid: 0..{int(run.gpus) - 1}")
     warmup = max(warmup, 2)  # DDP rebuilds its buckets at the second step
     if run.training.peak_step == "first":
         # the run's first micro-batch and first optimizer step: measured from the start, nothing before it
@@ -111,9 +118,7 @@ def validate(run: Run, *, device: str = "auto", world: str = "real", steps: int 
         warmup, steps = 0, 1
     lengths = resolve_seq_lengths(seq_lengths, run, (warmup + steps) * int(run.grad_accum))
     t0 = time.perf_counter()
-    other_peak: int | None = None
-    from memcalc.validate.runner import launched_by_torchrun, run_torchrun_rank
-
+    other_peaks: dict[int, int | None] = {r: None for r in ranks}
     if world == "real" and launched_by_torchrun():
         # torchrun on the user's own cluster: this process is one rank; every rank measures, all gather
         this_rank, results = run_torchrun_rank(run, device=device, steps=steps, warmup=warmup,
@@ -121,31 +126,43 @@ def validate(run: Run, *, device: str = "auto", world: str = "real", steps: int 
         torchrun_rank: int | None = this_rank
     else:
         def measure() -> dict[int, dict[str, Any]]:
-            return run_world(run, world=world, device=device, steps=steps, warmup=warmup, ranks=[rank],
+            return run_world(run, world=world, device=device, steps=steps, warmup=warmup, ranks=ranks,
                              timeout=timeout, seq_lengths=lengths)
 
         results = measure()
-        kept, other_peak = keep_lower_peak(results[rank], lambda: measure()[rank])
-        if kept is not results[rank]:
+        second: list[dict[int, dict[str, Any]]] = []  # one more run at most, shared by the ranks
+
+        def again(rank: int) -> dict[str, Any]:
+            if not second:
+                second.append(measure())
+            return second[0][rank]
+
+        for rank in ranks:
+            kept, other_peaks[rank] = keep_lower_peak(results[rank], lambda rank=rank: again(rank))
             results = {**results, rank: kept}  # (the other ranks' figures stay the first run's)
         torchrun_rank = None
     wall = time.perf_counter() - t0
-    meas = results[rank]
-    extra = {
-        "rank": rank,
-        "stage": stage,
-        "device": device,
-        "world": world,
-        "seconds": round(wall, 2),
-        "all_ranks_peak_bytes": {str(r): v["peak_bytes"] for r, v in sorted(results.items())},
-        "launcher": "torchrun" if torchrun_rank is not None else "memcalc",
-        "this_process_rank": torchrun_rank,
-        # the micro-batches' lengths, warm-up included (null: every one is --seq tokens)
-        "seq_lengths": list(lengths) if lengths is not None else None,
-        # the other run's peak where gloo's worker thread held bytes at the first run's peak and the run was
-        # measured twice (keep_lower_peak); null: measured once
-        "remeasured_other_peak_bytes": other_peak,
-    }
-    from memcalc.cost.estimate import resolved_inputs
-
-    return compare(est, meas, device, tolerance, inputs=resolved_inputs(run), extra=extra, run=run)
+    estimates: dict[int, Any] = {}
+    reports = {}
+    for rank in ranks:
+        stage = mesh_coords(run, rank)["pp"]
+        if stage not in estimates:
+            estimates[stage] = estimate(run, stage=stage, advice=False)
+        extra = {
+            "rank": rank,
+            "stage": stage,
+            "device": device,
+            "world": world,
+            "seconds": round(wall, 2),
+            "all_ranks_peak_bytes": {str(r): v["peak_bytes"] for r, v in sorted(results.items())},
+            "launcher": "torchrun" if torchrun_rank is not None else "memcalc",
+            "this_process_rank": torchrun_rank,
+            # the micro-batches' lengths, warm-up included (null: every one is --seq tokens)
+            "seq_lengths": list(lengths) if lengths is not None else None,
+            # the other run's peak where gloo's worker thread held bytes at the first run's peak and the run was
+            # measured twice (keep_lower_peak); null: measured once
+            "remeasured_other_peak_bytes": other_peaks[rank],
+        }
+        reports[rank] = compare(estimates[stage], results[rank], device, tolerance, inputs=resolved_inputs(run),
+                                extra=extra, run=run)
+    return reports
