@@ -1300,6 +1300,10 @@ class StageActivations:
     # the end of a layer's backward, one step earlier: its Q projection's input gradient, the last of the layer's
     # weight gradients made, beside what the layer end holds (`qkv_dgrad_extra`; 0 where not modelled)
     qkv_dgrad_extra_bytes: Num = 0
+    # one micro-batch's rotary cos and sin (every_stage_terms' `rotary_cos_sin`): freed by the stage's last layer
+    # to run its backward (its rotary's), before that layer's Q projection makes its input gradient; 0 where the
+    # layers are checkpointed (full, op-level): the checkpoint keeps its inputs to the end of the layer's backward
+    rotary_bytes: Num = 0
     # one micro-batch's bitsandbytes-held layer inputs (`graph_held_layer_bytes`), live from its backward to the
     # end of that backward, or, where the loop holds the graph (`loop_holds_graph`), to the next loss
     graph_held_bytes: Num = 0
@@ -3197,6 +3201,8 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         forward_layer_end_bytes=base + pair + layer_out,
         backward_post_bytes=post,
         qkv_dgrad_extra_bytes=qkv_dgrad_extra(run, plain),
+        rotary_bytes=(every_stage_terms(run, stage).get("rotary_cos_sin", 0)
+                      if run.training.recompute in ("none", "selective") else 0),
         backward_later_post_bytes=where(total_units > 1, post - held + held_later + sent + late_dw, _NEVER),
         backward_late_chunk_layer_bytes=late[0],
         backward_late_chunk_post_bytes=late[1],
