@@ -575,9 +575,14 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
                  buf("backward_layer") + where(k >= 1, buf("backward_layer_next") - k * rel, 0))
           for k in (0, k_last)],
         *[if_later(moment(later_g, where(qkv_alone & ((k == 0) | more), act.backward_later_post_bytes - k * a
-                                         + act.qkv_dgrad_extra_bytes - where(k == n_l - 1, act.rotary_bytes, 0),
-                                         _NEVER),
+                                         + extra - where(k == n_l - 1, act.rotary_bytes, 0), _NEVER),
                           buf("backward_layer") + where(k >= 1, buf("backward_layer_next") - k * rel, 0)))
+          for k in (0, k_last) for extra in (act.qkv_dgrad_extra_bytes, act.input_norm_backward_bytes)],
+        # ... and next, an eager fp32 input norm's backward (`input_norm_backward`)
+        *[moment(imin(norm_g + (k + 1) * g, later_g),
+                 where(qkv_alone & ((k == 0) | more), post_at(k) + act.input_norm_backward_bytes
+                       - where(k == n_l - 1, act.rotary_bytes, 0), _NEVER),
+                 buf("backward_layer") + where(k >= 1, buf("backward_layer_next") - k * rel, 0))
           for k in (0, k_last)],
         drain(later_act, buf("backward")),
         drain(act.backward_later_layer_bytes, buf("backward_layer") + rel),
