@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 # 1.1: `cuda` (the GPU's counters; on a GPU the headline error is theirs), allocator replay; 1.2: `seq_lengths`
-# (--seq-lengths), and `model_states.grads` counts one step's gradients whatever --steps
+# (--seq-lengths), and `model_states.grads` counts one step's gradients whatever --steps; 1.5: gloo's late frees
+# (`measured.late_free_bytes`, `remeasured_other_peak_bytes`: docs/json.md)
 SCHEMA_VERSION = "1.5"
 CATEGORIES = ("params", "master_weights", "grads", "optimizer", "activations", "buffers")
 GPU_ONLY_BUFFERS = ("cublas_workspaces", "te_cublas_workspace")
