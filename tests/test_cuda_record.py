@@ -217,8 +217,9 @@ REPLAY_MISSES = {
 }
 
 
+# (the known misses only confirm that they still miss: `slow`, outside the default run; `python -m pytest -m slow`)
 @pytest.mark.parametrize("e", [pytest.param(e, id=f"row{e['id']}", marks=[pytest.mark.xfail(
-    reason=REPLAY_MISSES[e["id"]], strict=True)] if e["id"] in REPLAY_MISSES else [])
+    reason=REPLAY_MISSES[e["id"]], strict=True), pytest.mark.slow] if e["id"] in REPLAY_MISSES else [])
     for e in DEFAULT["results"] if e["id"] in REPLAY_BAR or e["id"] in REPLAY_MISSES])
 def test_allocator_replay_matches_the_h100_reserved(e):
     """The caching allocator replayed (memcalc/validate/allocator.py) over the harness's allocation log of the same
