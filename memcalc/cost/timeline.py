@@ -466,6 +466,15 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
         return moment(g_k, where(fsdp & (k < n_l), a_k, _NEVER), buf("backward_layer_end")
                       - k * rel + where(k >= 1, buf("backward_layer_next"), 0) + where(k < n_l - 1, pre, 0))
 
+    q_extras = (act.qkv_dgrad_extra_bytes, act.input_norm_backward_bytes)
+
+    def q_end(k: Num, g_k: Num, a_k: Num) -> dict[str, Num]:
+        # without FSDP2 (`qkv_alone`): layer k's Q input gradient or input norm's backward (`a_k`), in the stage's
+        # first layer to run or, with more than one, its last, which has freed the micro-batch's rotary cos and sin
+        return moment(g_k, where(qkv_alone & ((k == 0) | more), a_k - where(k == n_l - 1, act.rotary_bytes, 0),
+                                 _NEVER),
+                      buf("backward_layer") + where(k >= 1, buf("backward_layer_next") - k * rel, 0))
+
     def copy_out(k: Num, g_k: Num, a_k: Num, exists: Any = True) -> dict[str, Num]:
         # FSDP2 ZeRO-3: layer k's copy-out after layer k-1's post-backward (`a_k`: the activations at that end;
         # under torch pipelining the k finished units stay gathered beside it: `rel` is minus a unit)
@@ -566,24 +575,12 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
           for k in (0, 1, k_pen, k_last) for extra in (0, act.qkv_dgrad_extra_bytes)],
         # without FSDP2 the same moment, k layers done and the layer's own weight gradients all made (the head's
         # and k + 1 layers'): where weights outweigh activations, the stage's last layer's is the backward's peak
-        # (pure bf16, h 2048 at 512 tokens: -0.5% to -1.0% without it, tests/test_validate_mlp_backward.py); and a
-        # later micro-batch's, every gradient made
-        # (the stage's last layer to run has freed the micro-batch's rotary cos and sin)
-        *[moment(imin(norm_g + (k + 1) * g, later_g),
-                 where(qkv_alone & ((k == 0) | more), post_at(k) + act.qkv_dgrad_extra_bytes
-                       - where(k == n_l - 1, act.rotary_bytes, 0), _NEVER),
-                 buf("backward_layer") + where(k >= 1, buf("backward_layer_next") - k * rel, 0))
-          for k in (0, k_last)],
-        *[if_later(moment(later_g, where(qkv_alone & ((k == 0) | more), act.backward_later_post_bytes - k * a
-                                         + extra - where(k == n_l - 1, act.rotary_bytes, 0), _NEVER),
-                          buf("backward_layer") + where(k >= 1, buf("backward_layer_next") - k * rel, 0)))
-          for k in (0, k_last) for extra in (act.qkv_dgrad_extra_bytes, act.input_norm_backward_bytes)],
-        # ... and next, an eager fp32 input norm's backward (`input_norm_backward`)
-        *[moment(imin(norm_g + (k + 1) * g, later_g),
-                 where(qkv_alone & ((k == 0) | more), post_at(k) + act.input_norm_backward_bytes
-                       - where(k == n_l - 1, act.rotary_bytes, 0), _NEVER),
-                 buf("backward_layer") + where(k >= 1, buf("backward_layer_next") - k * rel, 0))
-          for k in (0, k_last)],
+        # (pure bf16, h 2048 at 512 tokens: -0.5% to -1.0% without it, tests/test_validate_mlp_backward.py); and
+        # next, an eager fp32 input norm's backward (`input_norm_backward`); first and later micro-batch
+        *[q_end(k, imin(norm_g + (k + 1) * g, later_g), post_at(k) + extra)
+          for k in (0, k_last) for extra in q_extras],
+        *[if_later(q_end(k, later_g, act.backward_later_post_bytes - k * a + extra))
+          for k in (0, k_last) for extra in q_extras],
         drain(later_act, buf("backward")),
         drain(act.backward_later_layer_bytes, buf("backward_layer") + rel),
         drain(act.backward_later_post_bytes, buf("backward_layer_end") + rel),
