@@ -47,12 +47,10 @@ def imax(a: Num, b: Num) -> Num:
 
 def where(cond: Any, a: Num, b: Num) -> Num:
     """`a if cond else b`, elementwise when cond is an array."""
-    if isinstance(cond, bool):
+    if type(cond) is bool or not getattr(cond, "ndim", 0):  # a Python or numpy scalar
         return a if cond else b
     import numpy as np
 
-    if np.ndim(cond) == 0:
-        return a if bool(cond) else b
     return np.where(cond, a, b)
 
 
@@ -66,12 +64,27 @@ def as_int(x: Num) -> Num:
 
 
 def muldiv(a: Num, b: Num, c: Num) -> Num:
-    """Exact floor(a * b / c) for non-negative integers: products such as params x 10^12 overflow int64 in the
-    planner's bulk mode, so arrays are computed with Python integers (object dtype) and converted back."""
+    """Exact floor(a * b / c) for integers, c > 0. Products such as params x 10^12 overflow int64 in the planner's
+    bulk mode, so int64 arrays take a float64 estimate q0 of the quotient and correct it: a * b - q0 * c, computed
+    modulo 2^64 (numpy's int64 arrays wrap), is the true remainder while that is small, and q0 + remainder // c is
+    the floor. Anything else goes through Python integers (object dtype)."""
     if _is_scalar(a, b, c):
         return (a * b) // c
     import numpy as np
 
+    ia, ib, ic = np.asarray(a), np.asarray(b), np.asarray(c)
+    if ia.dtype.kind == ib.dtype.kind == ic.dtype.kind == "i":
+        prod = ia.astype(np.float64) * ib
+        est = prod / ic
+        # float64 rounding: |q0 - q| <= |a * b / c| * 2^-51 + 1, so |a * b - q0 * c| <= |a * b| * 2^-51 + 2c, which
+        # these bounds keep under 2^63; the quotient itself must fit int64
+        if (np.max(np.abs(prod)) < 2.0**100 and np.max(np.abs(est)) < 2.0**62
+                and np.min(ic) > 0 and np.max(ic) < 2**61):
+            q0 = np.floor(est).astype(np.int64)
+            with np.errstate(over="ignore"):
+                rem = ia * ib - q0 * ic  # exact modulo 2^64
+            q = q0 + rem // ic
+            return q if q.ndim else int(q)
     obj = (np.asarray(a, dtype=object) * b) // c
     return np.asarray(obj, dtype=np.int64) if np.ndim(obj) else int(obj)
 
@@ -94,9 +107,20 @@ def per_value_tuple(fn: Any, *args: Num) -> list[Num]:
     cols = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in args))
     if cols[0].ndim == 0:
         return list(fn(*(int(c) for c in cols)))
-    stacked = np.stack([c.ravel() for c in cols], axis=1)
-    uniq, inv = np.unique(stacked, axis=0, return_inverse=True)
-    rows = [tuple(fn(*(int(v) for v in row))) for row in uniq]
+    # the distinct combinations: each column's distinct values, and one mixed-radix key per element over their
+    # indices (np.unique over rows sorts them lexicographically, several times slower)
+    key = np.zeros(cols[0].size, dtype=np.int64)
+    values = []
+    for c in cols:
+        u, i = np.unique(c.ravel(), return_inverse=True)
+        key = key * u.size + i.ravel()
+        values.append(u)
+    ukey, inv = np.unique(key, return_inverse=True)
+    digits = []
+    for u in reversed(values):
+        digits.append(u[ukey % u.size])
+        ukey = ukey // u.size
+    rows = [tuple(fn(*(int(v) for v in row))) for row in zip(*reversed(digits))]
     vals = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.int64)
     for i, r in enumerate(rows):
         vals[i, :len(r)] = r

@@ -128,12 +128,24 @@ def _highest(*moments: dict[str, Num]) -> dict[str, Num]:
     totals = [_total(m) for m in moments]
     if all(isinstance(t, int) for t in totals):  # one configuration (the estimate): no elementwise choice
         return moments[totals.index(max(totals))]
-    best, best_total = moments[0], totals[0]
-    for m, t in zip(moments[1:], totals[1:]):
-        win = t > best_total
-        best = {k: where(win, m[k], best[k]) for k in best}
-        best_total = where(win, t, best_total)
-    return best
+    import numpy as np
+
+    # the planner's bulk mode: per configuration the first moment of the highest total (argmax takes the first of
+    # equal totals); few moments ever win, so each component is filled in per winning moment
+    n = np.broadcast_shapes(*(np.shape(t) for t in totals))
+    stacked = np.empty((len(totals), *n), dtype=np.int64)
+    for i, t in enumerate(totals):
+        stacked[i] = t
+    best = np.argmax(stacked, axis=0)
+    winners = np.unique(best)
+    if winners.size == 1:
+        return {k: np.broadcast_to(v, n) for k, v in moments[int(winners[0])].items()}
+    out = {k: np.empty(n, dtype=np.int64) for k in moments[0]}
+    for w in winners:
+        sel = best == w
+        for k, v in moments[int(w)].items():
+            out[k][sel] = np.broadcast_to(v, n)[sel]
+    return out
 
 
 # gradient bytes made by a first backward at its first layer's MLP moment, its attention core's, its final norm's
@@ -424,7 +436,8 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
 
     def if_later(m: dict[str, Num]) -> dict[str, Num]:
         m = {**m, "buffers": m["buffers"] + not_yet[4]}
-        return {k: where(later, v, 0 * v) for k, v in m.items()}
+        # (where there is none, a moment that does not occur: `_NEVER` activations)
+        return {**m, "activations": where(later, m["activations"], _NEVER)}
 
     # torch pipelining over FSDP2 leaves every unit unsharded after a backward (`rel` is minus a unit under ZeRO-3):
     # GPipe's backwards follow one another, so a later one finds them all gathered (1F1B's forward in between

@@ -6,13 +6,14 @@ How the search runs (no per-configuration Python object, log line or string in t
 2. The pairs are split into groups by the categorical axes and the pipeline schedule (interleaved when vpp > 1).
    For each group one `Run` is made from the base run (`options.build_run` with the layout left at its defaults)
    with `dataclasses.replace`, its numeric layout fields (gpus, dp, tp, pp, vpp, cp, ep, micro_batch,
-   grad_accum, global_batch) set to arrays. The cost model is called once per group per stage kind: stage 0 (the
-   most layers, the embedding and, in the activation model, the most in-flight micro-batches), stage pp-1 (the
-   LM head and the logits), and stages 1 and pp-2 (the middle stages are monotone in the stage index: torch
+   grad_accum, global_batch) set to arrays. The stage kinds that bound a pipeline are stage 0 (the most layers,
+   the embedding and, in the activation model, the most in-flight micro-batches), stage pp-1 (the LM head and
+   the logits), and under torch stages 1 and pp-2 (the middle stages are monotone in the stage index: torch
    pipelining's receive buffers both ways, torch's interleaved schedule holding its sends); every other stage
-   holds no more (tests/test_plan.py checks this against `estimate`,
-   which walks every stage). Peak = allocated peak + fragmentation + runtime overhead, as in
-   `memcalc.cost.estimate._totals`.
+   holds no more (tests/test_plan.py checks this against `estimate`, which walks every stage). Each
+   (configuration, stage kind) pair whose stage is not already one of the others goes into one call of the cost
+   model per group (`bulk_peak`): its cost is largely per call. Peak = allocated peak + fragmentation + runtime
+   overhead, as in `memcalc.cost.estimate._totals`.
 3. Memory first, and the micro-batch grows only while it fits: round 1 evaluates each layout's smallest
    micro-batch; round 2 evaluates the larger ones of the layouts that fitted, and a layout's micro-batches after
    the first one over the budget are dropped (`pruned_micro_batch`); layouts that failed round 1 are never
@@ -220,26 +221,34 @@ def _as_i64(x: Any, n: int) -> np.ndarray:
     return np.broadcast_to(a.astype(np.int64), (n,))
 
 
+_LAYOUT_FIELDS = ("gpus", "dp", "tp", "pp", "vpp", "cp", "ep", "micro_batch", "grad_accum", "global_batch")
+
+
 def bulk_peak(run: Run, n: int) -> np.ndarray:
     """Peak bytes (allocated + fragmentation + runtime) of the worst of stages 0, 1, pp-2 and pp-1, per element.
     On the middle stages every term is monotone in the stage index (in-flight units and the remainder layers
-    fall; torch's interleaved schedule holds more sent tensors further down), so stage 1 or pp-2 bounds them."""
-    pp = np.asarray(run.pp)
-    stages: list[Any] = [0] if bool(np.all(pp == 1)) else [0, run.pp - 1]
+    fall; torch's interleaved schedule holds more sent tensors further down), so stage 1 or pp-2 bounds them.
+    Every (configuration, stage) pair goes through one call of the cost model: much of its cost is per call."""
+    pp = _as_i64(run.pp, n)
+    # (stage kind, the elements where it is a stage of its own): a stage kind that is stage 0 or pp - 1 of an
+    # element is not evaluated for it again
+    kinds: list[tuple[Any, np.ndarray]] = [(0, np.ones(n, dtype=bool)), (pp - 1, pp > 1)]
     # torch only: its middle stages hold receive buffers both ways, and its interleaved schedule more sends
     # further down the pipeline; elsewhere stage 0 bounds the middle stages
-    if run.profile == "torch" and bool(np.any(pp > 2)):
-        stages.append(np.minimum(1, pp - 1))
-    if run.profile == "torch" and run.schedule == "interleaved" and bool(np.any(pp > 3)):
-        stages.append(np.maximum(pp - 2, 0))
-    runtime = _as_i64(runtime_bytes(run), n)  # the same function estimate uses
-    peak = None
-    for stage in stages:
-        sm = stage_memory(run, stage)
-        alloc = _as_i64(sm.allocated_peak, n)
-        total = alloc + _as_i64(fragmentation_bytes(run, sm), n) + runtime
-        peak = total if peak is None else np.maximum(peak, total)
-    assert peak is not None
+    if run.profile == "torch":
+        kinds.append((np.minimum(1, pp - 1), pp > 2))
+        if run.schedule == "interleaved":
+            kinds.append((np.maximum(pp - 2, 0), pp > 3))
+    cols = [np.flatnonzero(sel) for _, sel in kinds]
+    elem = np.concatenate(cols)
+    stage = np.concatenate([_as_i64(st, n)[c] for (st, _), c in zip(kinds, cols)])
+    sub = dataclasses.replace(run, **{f: _as_i64(getattr(run, f), n)[elem] for f in _LAYOUT_FIELDS})
+    sm = stage_memory(sub, stage)
+    m = elem.size
+    total = (_as_i64(sm.allocated_peak, m) + _as_i64(fragmentation_bytes(sub, sm), m)
+             + _as_i64(runtime_bytes(sub), m))  # the same functions estimate uses
+    peak = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(peak, elem, total)
     return peak
 
 
