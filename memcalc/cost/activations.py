@@ -1744,7 +1744,7 @@ def _recomputed_adapter_end(run: Run) -> Num:
 
 
 def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stream_in_buffer: Num = 0,
-                             dw_made: Num = 0, dw_counted: Num = 0) -> Num:
+                             dw_made: Num = 0, dw_counted: Num = 0, later: bool = False) -> Num:
     """Bytes a layer's backward holds beyond the saved activations at its highest moment (the MLP's backward,
     which runs first): the incoming gradient of the residual stream (its dtype, sharded like it under SP), the
     down projection's input gradient and, for SwiGLU, the gradients of both factors of the product while the
@@ -1762,7 +1762,8 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
     residual add's backward, `grad.to(dtype)`) or dropout's backward scales it, and under autocast its weight
     gradient in the compute dtype (the cast node makes the fp32 one only after the matmul's backward), in place of
     the `dw_counted` bytes the caller counts made there (`_down_dw_counted`). Measured by the harness: a GELU
-    MLP under AMP was 2fh - c tok h above it without this."""
+    MLP under AMP was 2fh - c tok h above it without this. `later`: a later micro-batch's backward (its weight
+    gradients are temporaries added to `.grad`, `_input_projection_wgrad`)."""
     m = run.model
     c, tok, _, _ = _shape(run)
     stream = _residual_grad_bytes(run)
@@ -1811,7 +1812,7 @@ def layer_backward_transient(run: Run, terms: dict[str, Num] | None = None, stre
     # (the product's backward comes after the down adapter's, which has freed its terms)
     mlp = imax(imax(imax((factors + unsaved) * c * tokens * f_t - down_cast - adapter_saved,
                          grad_in + dq + adapter + _sp_gathered_grad(run) + out_grad + dw), adapter_sum),
-               _input_projection_wgrad(run, terms, tokens, f_t)) - mask
+               _input_projection_wgrad(run, terms, tokens, f_t, later)) - mask
     if m.post_norms:
         # the MLP output's norm (Gemma 2/3) runs its backward first and frees what it saved (`mlp_post_norm`);
         # under AMP that backward is torch's composite (`composite_norm_backward`), a moment of its own
@@ -1835,7 +1836,7 @@ def _down_wgrad_bytes(run: Run, stage: Num) -> Num:
     return _autocast(run) * DTYPE_BYTES[run.recipe.grad_dtype] * down
 
 
-def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: Num) -> Num:
+def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: Num, later: bool = False) -> Num:
     """Under autocast, the MLP's first input projection's backward (up, which autograd reaches before the gate's
     silu; GELU's fc), beyond the layer's saved set and the stream's gradient with the down projection's fp32 gradient
     made: the cast node's fp32 weight gradient made beside the matmul's compute-dtype one, and the input gradient
@@ -1847,7 +1848,15 @@ def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: N
     (tok < about 2h/3).
     Single GPU / DDP at tp 1 (the copies held through backward, in the autocast buffer or a fully recomputed
     layer's saved set), no LoRA or --freeze; else `_NEVER`. Measured by the harness op by op (toys at 128 tokens,
-    h 256: -0.16% / -0.21% of the backward before; row 155 -1.25%: tests/test_validate_mlp_backward.py)."""
+    h 256: -0.16% / -0.21% of the backward before; row 155 -1.25%: tests/test_validate_mlp_backward.py).
+    Without autocast (and without FSDP2 sharding or SP; any tp) the same op order ends at the first projection's
+    input gradient (SwiGLU: the gate's, after silu's backward) with its weight gradient and, for SwiGLU, up's made
+    (a first backward's `.grad`; a later micro-batch's are temporaries added to `.grad` as they come, one live),
+    the down projection's input and the product's operands freed, silu's gradient and up's input gradient (under TP
+    its all-reduced copy) live: `k g h f/t + k c tok h - (2k - 1) c tok f/t` for k input projections (2 for
+    SwiGLU, GELU's fc 1; one weight gradient in a later micro-batch). The higher where the weights outweigh the
+    attention's saved set and gradients (GQA over tp 4 at 512 tokens, h 2048: -0.50% without it,
+    tests/test_validate_mlp_backward.py)."""
     m, t = run.model, run.training
     if run.profile != "torch" or m.moe is not None or t.freeze or t.lora_rank is not None or _dequantizes(t):
         return _NEVER
@@ -1860,7 +1869,12 @@ def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: N
         # then the gate's, after silu's backward: up's fp32 gradient made, the gate's beside its compute-dtype one,
         # all three copies and the four c*tok*f operands freed, the two input gradients summed in fp32
         moment = imax(moment, 2 * (g - c) * hf + (4 - 2 * c) * tokens * m.hidden - 4 * c * tokens * f_t)
-    return where((_autocast(run) == 1) & (held >= 1) & (run.tp == 1) & (run.pp == 1), moment, _NEVER)
+    amp = where((_autocast(run) == 1) & (held >= 1) & (run.tp == 1) & (run.pp == 1), moment, _NEVER)
+    if run.sp:
+        return amp
+    k = 2 if m.mlp == "swiglu" else 1
+    plain = (1 if later else k) * g * hf + k * c * tokens * m.hidden - (2 * k - 1) * c * tokens * f_t
+    return where((_autocast(run) == 0) & (fsdp_sharded(run) == 0), plain, amp)
 
 
 def _down_dw_counted(run: Run) -> Num:
@@ -2435,13 +2449,16 @@ def qkv_dgrad_extra(run: Run, plain: dict[str, Num]) -> Num:
     stream-sized input gradients, Q's and K's + V's sum (V's, then K's, then Q's). FSDP2 pairs it with the layer
     end's buffers (all of the layer's unsharded gradients): where weights outweigh activations it is the backward's
     peak (measured: 5 stream-sized tensors, tests/test_validate_fsdp_moments.py). Sequential dense layers with
-    standard attention at tp = 1 (0 elsewhere: not measured there)."""
+    standard attention at tp = 1, and under the torch profile at any tp without SP (torch TP: the norm's output and
+    the input gradients are replicated, Q sharded by heads; tests/test_validate_mlp_backward.py); 0 elsewhere: not
+    measured there."""
     m = run.model
     if m.block != "sequential" or m.mla is not None or m.moe is not None or run.training.lora_rank is not None:
         return 0
     c, tok_all, _, _ = _shape(run)
     dx = c * tok_all * m.hidden
-    return where(run.tp == 1, plain.get("attn_norm", 0) + plain.get("qkv_input", 0) + plain.get("q", 0) + 2 * dx, 0)
+    applies = (run.tp == 1) | (run.profile == "torch" and not run.sp)
+    return where(applies, plain.get("attn_norm", 0) + plain.get("qkv_input", 0) + plain.get("q", 0) + 2 * dx, 0)
 
 
 def input_norm_backward(run: Run, plain: dict[str, Num]) -> Num:
@@ -2680,7 +2697,7 @@ def _late_chunk_moments(run: Run, stage: Num, units: Num, unit_bytes: Num, one_l
     # next stage), as on a stage other than the last (`recv_stream`)
     # (the composite post norm's moment comes before the down projection's waiting gradient, `late_dw`)
     dw_made = late_dw if run.model.post_norms else 0
-    at_first = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, grad_in, dw_made, late_dw),
+    at_first = imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, grad_in, dw_made, late_dw, True),
                                        remat),
                          dense_at), re_run)
     at = imax(at_first + piped_dw, _layer_moment(mode, where(later_dw > 0, later_dw - grad_in, 0), remat))
@@ -3014,7 +3031,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     # projection's compute-dtype gradient counted waiting, `late_dw`, is not made by the composite norm's moment)
     dw_later = where(m.post_norms, late_down, 0) if not off else 0
     at_later_layer = imax(imax(imax(_layer_moment(mode, layer_backward_transient(run, plain, recv_stream, dw_later,
-                                                                                 0 if off else late_down),
+                                                                                 0 if off else late_down, True),
                                                   remat), dense_at), re_run), gather_at - recv_stream)
     layer_k_extra = at_layer - at_first_layer  # added back for the stage's later layers (timeline `acts_at`)
     # the logits at the LM head's matmul; a model that returns them upcast (`--keep-logits fp32`) makes the fp32

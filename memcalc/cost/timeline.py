@@ -424,7 +424,10 @@ def _moments(run: Run, s: ModelStates, act: Any, at: dict[str, Num], grads: Num,
     a, n_l = act.layer_freed_bytes, act.layers
     # rel: buffer bytes a finished layer frees (FSDP2 ZeRO-2's reshard, or the layer's autocast copies; minus a
     # layer under torch pipelining's ZeRO-3, whose finished units stay gathered)
-    g = 0 * grads if s.grads_persistent else muldiv(all_g, layer_elems, stage_elems)
+    # (the word embedding's replicated gradient beyond its vocab shard, `params.replicated_embedding_grad`, is no
+    # layer's: it is made at the end of backward)
+    emb_extra = muldiv(s.grads, s.embedding_grad_extra, imax(s.grad_elems, 1))
+    g = 0 * grads if s.grads_persistent else muldiv(all_g - emb_extra, layer_elems, stage_elems)
     more = n_l > 1
     k_last = imax(n_l - 1, 1)
     k_pen = imax(n_l - 2, 1)  # the last layer with a prefetch
