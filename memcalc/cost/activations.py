@@ -1846,8 +1846,9 @@ def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: N
     projection its weight copy: `(g - c)*h*f + (4 - c)*tok*h - 2c*tok*f` (g the gradient dtype's bytes, 4 in fp32);
     SwiGLU's gate after it, `2(g - c)*h*f + (4 - 2c)*tok*h - 4c*tok*f`. The higher where weights outweigh tokens
     (tok < about 2h/3).
-    Single GPU / DDP at tp 1 (the copies held through backward, in the autocast buffer or a fully recomputed
-    layer's saved set), no LoRA or --freeze; else `_NEVER`. Measured by the harness op by op (toys at 128 tokens,
+    Single GPU / DDP, or TP without SP (the gate's moment `4*tok*h` higher there: both fp32 input gradients live),
+    pp 1 (the copies held through backward, in the autocast buffer or a fully recomputed layer's saved set), no
+    LoRA or --freeze; else `_NEVER`. Measured by the harness op by op (toys at 128 tokens,
     h 256: -0.16% / -0.21% of the backward before; row 155 -1.25%: tests/test_validate_mlp_backward.py).
     Without autocast (and without FSDP2 sharding or SP; any tp) the same op order ends at the first projection's
     input gradient (SwiGLU: the gate's, after silu's backward) with its weight gradient and, for SwiGLU, up's made
@@ -1867,9 +1868,13 @@ def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: N
     moment = (g - c) * hf + (4 - c) * tokens * m.hidden - 2 * c * tokens * f_t
     if m.mlp == "swiglu":
         # then the gate's, after silu's backward: up's fp32 gradient made, the gate's beside its compute-dtype one,
-        # all three copies and the four c*tok*f operands freed, the two input gradients summed in fp32
-        moment = imax(moment, 2 * (g - c) * hf + (4 - 2 * c) * tokens * m.hidden - 4 * c * tokens * f_t)
-    amp = where((_autocast(run) == 1) & (held >= 1) & (run.tp == 1) & (run.pp == 1), moment, _NEVER)
+        # all three copies and the four c*tok*f operands freed, the two input gradients summed in fp32; under TP
+        # (without SP) each projection's input is its own tensor, and the sum comes after the all-reduces, which
+        # follow the weight gradient's cast: both fp32 input gradients live
+        two = where(run.tp > 1, 4, 0)
+        moment = imax(moment, 2 * (g - c) * hf + (4 + two - 2 * c) * tokens * m.hidden - 4 * c * tokens * f_t)
+    amp = where((_autocast(run) == 1) & (held >= 1) & ((run.tp == 1) | (not run.sp)) & (run.pp == 1), moment,
+                _NEVER)
     if run.sp:
         return amp
     k = 2 if m.mlp == "swiglu" else 1
