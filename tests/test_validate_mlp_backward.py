@@ -170,7 +170,7 @@ def test_weight_heavy_peak_is_the_last_layers_q_input_gradient_or_input_norm(fla
     assert abs(bwd["predicted"] - bwd["measured"]) <= 2048, (bwd["predicted"], bwd["measured"])
 
 
-# torch TP without SP, pure bf16 (no autocast): the same Q input-gradient moment as at tp 1 (`qkv_dgrad_extra`),
+# torch TP, pure bf16 (no autocast): the same Q input-gradient moment as at tp 1 (`qkv_dgrad_extra`),
 # with each layer's gradient share taken without the word embedding's replicated V x h gradient, which is no
 # layer's (`params.replicated_embedding_grad`: it inflated every layer's share, and the stage's last layer's
 # moment counts k + 1 of them); and, where the attention is small next to the MLP (GQA over tp 4), the MLP's first
@@ -181,7 +181,9 @@ def test_weight_heavy_peak_is_the_last_layers_q_input_gradient_or_input_norm(fla
 # At h 2048 over 512 tokens: -1.16% (tp 2) and -0.50% (GQA tp 4) before. Under AMP the SwiGLU gate's moment as at
 # tp 1 (its fp32 weight gradient cast beside the bf16 one), but each projection's input is its own tensor under
 # TP, so up's and the gate's fp32 input gradients are both live there (summed after the all-reduces): 885,896 B
-# (-1.10%) and 526,472 B short before, -1.23% at h 2048 over 512 tokens.
+# (-1.10%) and 526,472 B short before, -1.23% at h 2048 over 512 tokens. Under SP both moments hold as well (the
+# Q/K/V input all-gathered, the input gradients full-sequence until their reduce-scatter): 264,336 B (GQA tp 4),
+# 393,608 B (fp32) and 264,336 B (full recompute) short before; -0.83% at h 2048 over 512 tokens.
 TP_WEIGHTS = dict(WEIGHT_HEAVY, kv_heads=4, seq=256, gpus=4, tp=4)
 
 
@@ -193,9 +195,12 @@ TP_WEIGHTS = dict(WEIGHT_HEAVY, kv_heads=4, seq=256, gpus=4, tp=4)
     dict(WEIGHT_HEAVY, ffn=2048, seq=256, master_weights=True, gpus=2, tp=2),
     dict(layers=4, hidden=64, heads=4, ffn=176, vocab=512, seq=64, precision="fp32", gpus=2, tp=2, sp=True,
          recompute="full"),
+    dict(TP_WEIGHTS, sp=True), dict(WEIGHT_HEAVY, seq=128, precision="fp32", master_weights=True, gpus=2, tp=2,
+                                    sp=True),
+    dict(TP_WEIGHTS, sp=True, recompute="full"),
 ], ids=["tp2", "gqa-tp4", "gqa-tp4-gelu", "gqa-tp4-fp32", "gqa-tp4-full", "gqa-tp4-ga2", "tp2-amp", "tp2-amp-f2048",
-        "tp2-sp-fp32-full"])
-def test_tp_without_sp_backward_moments(flags):
+        "tp2-sp-fp32-full", "gqa-tp4-sp", "tp2-sp-fp32", "gqa-tp4-sp-full"])
+def test_tp_backward_moments(flags):
     rep = validate(run_of(**flags), device="meta", world="fake")
     bwd = next(r for r in rep["rows"] if r["section"] == "phases" and r["name"] == "backward")
     # within 8 KB (the measured step's loss scalars and the norms' statistics: up to 4.2 KB here)

@@ -1850,12 +1850,13 @@ def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: N
     pp 1 (the copies held through backward, in the autocast buffer or a fully recomputed layer's saved set), no
     LoRA or --freeze; else `_NEVER`. Measured by the harness op by op (toys at 128 tokens,
     h 256: -0.16% / -0.21% of the backward before; row 155 -1.25%: tests/test_validate_mlp_backward.py).
-    Without autocast (and without FSDP2 sharding or SP; any tp) the same op order ends at the first projection's
+    Without autocast (and without FSDP2 sharding; any tp, SP too) the same op order ends at the first projection's
     input gradient (SwiGLU: the gate's, after silu's backward) with its weight gradient and, for SwiGLU, up's made
     (a first backward's `.grad`; a later micro-batch's are temporaries added to `.grad` as they come, one live),
     the down projection's input and the product's operands freed, silu's gradient and up's input gradient (under TP
-    its all-reduced copy) live: `k g h f/t + k c tok h - (2k - 1) c tok f/t` for k input projections (2 for
-    SwiGLU, GELU's fc 1; one weight gradient in a later micro-batch). The higher where the weights outweigh the
+    its all-reduced copy; under SP full-sequence, not yet reduce-scattered) live:
+    `k g h f/t + k c tok h - (2k - 1) c tok f/t` for k input projections (2 for SwiGLU, GELU's fc 1; one weight
+    gradient in a later micro-batch). The higher where the weights outweigh the
     attention's saved set and gradients (GQA over tp 4 at 512 tokens, h 2048: -0.50% without it,
     tests/test_validate_mlp_backward.py)."""
     m, t = run.model, run.training
@@ -1875,8 +1876,6 @@ def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: N
         moment = imax(moment, 2 * (g - c) * hf + (4 + two - 2 * c) * tokens * m.hidden - 4 * c * tokens * f_t)
     amp = where((_autocast(run) == 1) & (held >= 1) & ((run.tp == 1) | (not run.sp)) & (run.pp == 1), moment,
                 _NEVER)
-    if run.sp:
-        return amp
     k = 2 if m.mlp == "swiglu" else 1
     plain = (1 if later else k) * g * hf + k * c * tokens * m.hidden - (2 * k - 1) * c * tokens * f_t
     return where((_autocast(run) == 0) & (fsdp_sharded(run) == 0), plain, amp)
@@ -2454,15 +2453,15 @@ def qkv_dgrad_extra(run: Run, plain: dict[str, Num]) -> Num:
     stream-sized input gradients, Q's and K's + V's sum (V's, then K's, then Q's). FSDP2 pairs it with the layer
     end's buffers (all of the layer's unsharded gradients): where weights outweigh activations it is the backward's
     peak (measured: 5 stream-sized tensors, tests/test_validate_fsdp_moments.py). Sequential dense layers with
-    standard attention at tp = 1, and under the torch profile at any tp without SP (torch TP: the norm's output and
-    the input gradients are replicated, Q sharded by heads; tests/test_validate_mlp_backward.py); 0 elsewhere: not
-    measured there."""
+    standard attention at tp = 1, and under the torch profile at any tp, SP too (torch TP: the Q/K/V input is the
+    norm's replicated or, under SP, all-gathered output, Q sharded by heads, the input gradients full-sequence until
+    their all-reduce or reduce-scatter; tests/test_validate_mlp_backward.py); 0 elsewhere: not measured there."""
     m = run.model
     if m.block != "sequential" or m.mla is not None or m.moe is not None or run.training.lora_rank is not None:
         return 0
     c, tok_all, _, _ = _shape(run)
     dx = c * tok_all * m.hidden
-    applies = (run.tp == 1) | (run.profile == "torch" and not run.sp)
+    applies = (run.tp == 1) | (run.profile == "torch")
     return where(applies, plain.get("attn_norm", 0) + plain.get("qkv_input", 0) + plain.get("q", 0) + 2 * dx, 0)
 
 
