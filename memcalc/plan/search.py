@@ -247,8 +247,11 @@ def bulk_peak(run: Run, n: int) -> np.ndarray:
     m = elem.size
     total = (_as_i64(sm.allocated_peak, m) + _as_i64(fragmentation_bytes(sub, sm), m)
              + _as_i64(runtime_bytes(sub), m))  # the same functions estimate uses
-    peak = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
-    np.maximum.at(peak, elem, total)
+    peak = total[:n].copy()  # stage 0: every element, in order
+    at = n
+    for c in cols[1:]:
+        peak[c] = np.maximum(peak[c], total[at:at + c.size])
+        at += c.size
     return peak
 
 
