@@ -106,6 +106,12 @@ torch = pytest.importorskip("torch")
 from memcalc.validate.api import validate  # noqa: E402
 
 
+def _phase(flags: dict, name: str = "backward") -> dict:
+    """The harness's row for one phase of `flags` (one rank of a fake world, fake tensors)."""
+    rep = validate(run_of(**flags), device="meta", world="fake")
+    return next(r for r in rep["rows"] if r["section"] == "phases" and r["name"] == name)
+
+
 @pytest.mark.parametrize("flags", [
     dict(mlp="gelu", recompute="full"),  # +0.78% before
     dict(mlp="gelu", recompute="full", dropout=0.1),  # +1.00%
@@ -122,8 +128,7 @@ from memcalc.validate.api import validate  # noqa: E402
         "swiglu-amp-full-dropout", "fp32-dropout", "gelu-amp-full-ga2", "weight-heavy-up", "weight-heavy-fc-fp16",
         "weight-heavy-gate-full", "weight-heavy-ga2"])
 def test_mlp_backward_moment_against_the_harness(flags):
-    rep = validate(run_of(**{**TOY, **flags}), device="meta", world="fake")
-    bwd = next(r for r in rep["rows"] if r["section"] == "phases" and r["name"] == "backward")
+    bwd = _phase({**TOY, **flags})
     # within 8 KB (the measured step's loss scalars and the fused norm's statistics: about 2 KB here)
     assert abs(bwd["predicted"] - bwd["measured"]) <= 8192, (bwd["predicted"], bwd["measured"])
 
@@ -165,8 +170,7 @@ WEIGHT_HEAVY = dict(layers=3, hidden=512, heads=8, ffn=1408, vocab=256, seq=64, 
                                    dict(layers=2, hidden=1024, ffn=2816, seq=128, norm_impl="fp32")],
                          ids=["bf16", "fp32-gqa", "bf16-full", "fp32-norm", "fp32-norm-h1024"])
 def test_weight_heavy_peak_is_the_last_layers_q_input_gradient_or_input_norm(flags):
-    rep = validate(run_of(**{**WEIGHT_HEAVY, **flags}), device="meta", world="fake")
-    bwd = next(r for r in rep["rows"] if r["section"] == "phases" and r["name"] == "backward")
+    bwd = _phase({**WEIGHT_HEAVY, **flags})
     assert abs(bwd["predicted"] - bwd["measured"]) <= 2048, (bwd["predicted"], bwd["measured"])
 
 
@@ -201,7 +205,6 @@ TP_WEIGHTS = dict(WEIGHT_HEAVY, kv_heads=4, seq=256, gpus=4, tp=4)
 ], ids=["tp2", "gqa-tp4", "gqa-tp4-gelu", "gqa-tp4-fp32", "gqa-tp4-full", "gqa-tp4-ga2", "tp2-amp", "tp2-amp-f2048",
         "tp2-sp-fp32-full", "gqa-tp4-sp", "tp2-sp-fp32", "gqa-tp4-sp-full"])
 def test_tp_backward_moments(flags):
-    rep = validate(run_of(**flags), device="meta", world="fake")
-    bwd = next(r for r in rep["rows"] if r["section"] == "phases" and r["name"] == "backward")
+    bwd = _phase(flags)
     # within 8 KB (the measured step's loss scalars and the norms' statistics: up to 4.2 KB here)
     assert abs(bwd["predicted"] - bwd["measured"]) <= 8192, (bwd["predicted"], bwd["measured"])
