@@ -208,3 +208,38 @@ def test_tp_backward_moments(flags):
     bwd = _phase(flags)
     # within 8 KB (the measured step's loss scalars and the norms' statistics: up to 4.2 KB here)
     assert abs(bwd["predicted"] - bwd["measured"]) <= 8192, (bwd["predicted"], bwd["measured"])
+
+
+# AMP under TP, the moments after the MLP's last input projection and after the LM head. Under SP the AMP gate
+# moment holds as at tp 1 (the gathered input is one tensor: its two fp32 input gradients are summed before the
+# gate's weight-gradient cast); then, under TP, the last projection's fp32 input gradient goes to its collective
+# once the compute-dtype weight gradient is freed: the all-reduce's output, or under SP the reduce-scatter's
+# concatenated input and sharded output. And the final norm's backward beside the head's input gradient, all-reduced
+# without SP (`activations._head_grad_end`). Short before (B): 230,024 (tp 2 + SP), 100,228 (GELU, GQA tp 4 + SP),
+# 346,256 (GQA tp 4, f 704), 429,188 (GELU, f 704), 858,256 (GQA tp 4 at 512 tokens: the norm's backward).
+@pytest.mark.parametrize("flags", [
+    dict(WEIGHT_HEAVY, seq=128, master_weights=True, gpus=2, tp=2, sp=True),
+    dict(TP_WEIGHTS, master_weights=True, sp=True, mlp="gelu"),
+    dict(TP_WEIGHTS, master_weights=True, ffn=704),
+    dict(TP_WEIGHTS, master_weights=True, ffn=704, mlp="gelu"),
+    dict(TP_WEIGHTS, master_weights=True, seq=512),
+], ids=["tp2-sp-amp", "gqa-tp4-sp-amp-gelu", "gqa-tp4-amp-f704", "gqa-tp4-amp-f704-gelu", "gqa-tp4-amp-512"])
+def test_tp_amp_backward_collective_moments(flags):
+    bwd = _phase(flags)
+    assert abs(bwd["predicted"] - bwd["measured"]) <= 8192, (bwd["predicted"], bwd["measured"])
+
+
+# The LM head's backward where the vocabulary shard is narrow next to the hidden size: the logits' gradient, the
+# head's new weight gradient and its input gradient at the input-gradient matmul (`activations._first_head_backward`,
+# GQA over tp 4, pure bf16: 138,348 B short before), and at tp 1 under AMP the final norm's backward beside the
+# head's fp32 input gradient (264,284 B short before).
+NARROW_VOCAB = dict(layers=2, hidden=512, heads=8, kv_heads=4, ffn=704, vocab=256, seq=1024, precision="bf16")
+
+
+@pytest.mark.parametrize("flags", [dict(NARROW_VOCAB, master_weights=False, gpus=4, tp=4),
+                                   dict(NARROW_VOCAB, master_weights=False, gpus=4, tp=4, mlp="gelu"),
+                                   dict(NARROW_VOCAB, gpus=1)], ids=["gqa-tp4", "gqa-tp4-gelu", "tp1-amp"])
+def test_narrow_vocabulary_head_backward(flags):
+    bwd = _phase(flags)
+    assert abs(bwd["predicted"] - bwd["measured"]) <= 10240, (bwd["predicted"], bwd["measured"])
+

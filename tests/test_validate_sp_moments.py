@@ -1,5 +1,5 @@
 """Sequence parallelism's own collectives at the LM head and a layer's start of backward (memcalc/cost/activations.py
-`_sp_head_input`, `_sp_head_gather`, `_sp_head_grad_scatter`, `_sp_grad_gather`; docs/methodology.md "Sequence
+`_sp_head_input`, `_sp_head_gather`, `_head_grad_end`, `_sp_grad_gather`; docs/methodology.md "Sequence
 parallelism at the LM head"). A narrow MLP (f = h) and a 64-token vocabulary leave them as the peaks; measured op by
 op by the harness on fake tensors (`--device meta --world fake`, every allocation exact)."""
 
@@ -22,8 +22,14 @@ def test_the_heads_collectives_hand_computed():
     run = run_of(**TOY, precision="fp32")
     assert A._sp_head_input(run) == 4 * 256 * 256 == 262_144
     assert A._sp_head_gather(run) == (4 * 256 * 256 + 4 * 256) + 262_144 + 2 * 4 * 512 * 256 == 1_573_888
-    assert A._sp_head_grad_scatter(run) == 2 * 4 * 512 * 256 + 4 * 256 * 256 == 1_310_720
+    assert A._head_grad_end(run) == 2 * 4 * 512 * 256 + 4 * 256 * 256 == 1_310_720
     assert A._sp_head_input(run_of(**{**TOY, "sp": False}, precision="fp32")) == 0
+    # without SP the head's input gradient's all-reduce output, then the final norm's input gradient beside it, over
+    # all 512 tokens: 2 x 4 x 512 x 256; at tp 1 (one GPU) the input gradient itself in the all-reduce's place;
+    # pure bf16 at 2 bytes
+    assert A._head_grad_end(run_of(**{**TOY, "sp": False}, precision="fp32")) == 2 * 4 * 512 * 256 == 1_048_576
+    assert A._head_grad_end(run_of(**{**TOY, "sp": False, "gpus": 1, "tp": 1}, precision="fp32")) == 1_048_576
+    assert A._head_grad_end(run_of(**{**TOY, "sp": False}, precision="bf16", master_weights=False)) == 524_288
 
 
 cases = {

@@ -810,16 +810,24 @@ def _sp_head_input(run: Run) -> Num:
     return where(run.tp > 1, _stream_bytes(run, c) * tok_sp * run.model.hidden, 0)
 
 
-def _sp_head_grad_scatter(run: Run) -> Num:
-    """torch with SP (tp > 1), the LM head's backward: its input gradient over all the tokens, the reduce-scatter's
-    concatenated input (funcol's `reduce_scatter_tensor` over the sequence dimension copies the chunks into one
-    tensor) and its sequence-sharded output, in the stream's dtype, the loss's and the logits' terms freed; 0
-    elsewhere. Measured by the harness: a narrow fp32 model's backward peaked here (-2.7% without it)."""
-    if run.profile != "torch" or not run.sp:
+def _head_grad_end(run: Run) -> Num:
+    """torch, the end of the LM head's backward and the final norm's backward, the loss's and the logits' terms freed,
+    in the stream's dtype `s`: the head's input gradient over all the tokens and then, beside it, the final norm's
+    input gradient (2 s tok h); with tp > 1 without SP (the head's input Replicate) the input gradient's all-reduce
+    output stands in for it, the input freed first; under SP the input gradient is reduce-scattered: its
+    concatenated copy (funcol's `reduce_scatter_tensor` over the sequence dimension copies the chunks into one
+    tensor) and the sequence-sharded output stand beside it (2 s tok h + s tok_sp h). Measured by the harness op by
+    op: a narrow fp32 model's backward peaked at the reduce-scatter under SP (-2.7% without it); GQA over tp 4
+    under AMP without SP (-1.6% of the backward at 512 tokens, h 512) and a single GPU under AMP with a 256-token
+    vocabulary (-0.3% at 1024 tokens) at the norm's backward."""
+    if run.profile != "torch":
         return 0
     c, _, tok_sp, tok_in = _shape(run)
     stream = _stream_bytes(run, c)
-    return where(run.tp > 1, 2 * stream * tok_in * run.model.hidden + stream * tok_sp * run.model.hidden, 0)
+    h = run.model.hidden
+    if run.sp:
+        return 2 * stream * tok_in * h + where(run.tp > 1, stream * tok_sp * h, 0)
+    return 2 * stream * tok_in * h
 
 
 def _sp_head_gather(run: Run) -> Num:
@@ -1229,9 +1237,9 @@ class StageActivations:
     forward_bytes: Num  # held + the forward transient (logits at the loss, or ring-attention K/V)
     backward_first_bytes: Num  # held + the backward transient, at the start of the stage's first backward
     backward_later_bytes: Num  # at the start of a later backward (earlier ones have allocated the grads)
-    # the end of the LM head's backward (SP's reduce-scatter, `_sp_head_grad_scatter`) and the final norm's backward
-    # (`_final_norm_backward`), first and later micro-batch: the loss and LM-head terms freed, the norm's saved set
-    # live; _NEVER where neither is modelled (a fused norm, no SP)
+    # the end of the LM head's backward and the final norm's backward (`_head_grad_end`, `_final_norm_backward`),
+    # first and later micro-batch: the loss and LM-head terms freed, the norm's saved set live; _NEVER where neither
+    # is modelled (not the torch profile)
     backward_final_norm_bytes: Num
     backward_later_final_norm_bytes: Num
     # inside the first layer's backward of the stage's first backward: the loss terms freed, the layer's
@@ -1846,10 +1854,13 @@ def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: N
     projection its weight copy: `(g - c)*h*f + (4 - c)*tok*h - 2c*tok*f` (g the gradient dtype's bytes, 4 in fp32);
     SwiGLU's gate after it, `2(g - c)*h*f + (4 - 2c)*tok*h - 4c*tok*f`. The higher where weights outweigh tokens
     (tok < about 2h/3).
-    Single GPU / DDP, or TP without SP (the gate's moment `4*tok*h` higher there: both fp32 input gradients live),
-    pp 1 (the copies held through backward, in the autocast buffer or a fully recomputed layer's saved set), no
-    LoRA or --freeze; else `_NEVER`. Measured by the harness op by op (toys at 128 tokens,
-    h 256: -0.16% / -0.21% of the backward before; row 155 -1.25%: tests/test_validate_mlp_backward.py).
+    Any tp (without SP the gate's moment `4*tok*h` higher: both fp32 input gradients live; under SP the gathered
+    input is one tensor, summed before the cast as at tp 1), and under TP then the last projection's fp32 input
+    gradient at its collective, the compute-dtype weight gradient freed: `- c*h*f/t` plus the all-reduce's output
+    `4*tok*h`, or SP's reduce-scatter's concatenated input and output `4*tok*h + 4*tok_sp*h`; pp 1 (the copies held
+    through backward, in the autocast buffer or a fully recomputed layer's saved set), no LoRA or --freeze; else
+    `_NEVER`. Measured by the harness op by op (toys at 128 tokens, h 256: -0.16% / -0.21% of the backward before;
+    row 155 -1.25%; GQA over tp 4 at f/t 176: -1.1% / -1.7%: tests/test_validate_mlp_backward.py).
     Without autocast (and without FSDP2 sharding; any tp, SP too) the same op order ends at the first projection's
     input gradient (SwiGLU: the gate's, after silu's backward) with its weight gradient and, for SwiGLU, up's made
     (a first backward's `.grad`; a later micro-batch's are temporaries added to `.grad` as they come, one live),
@@ -1867,14 +1878,22 @@ def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: N
     g = DTYPE_BYTES[run.recipe.grad_dtype]
     hf = first_backward_grad_elems(run, 0)[1]
     moment = (g - c) * hf + (4 - c) * tokens * m.hidden - 2 * c * tokens * f_t
+    last = moment  # the last input projection's (GELU's fc, SwiGLU's gate)
     if m.mlp == "swiglu":
         # then the gate's, after silu's backward: up's fp32 gradient made, the gate's beside its compute-dtype one,
         # all three copies and the four c*tok*f operands freed, the two input gradients summed in fp32; under TP
         # (without SP) each projection's input is its own tensor, and the sum comes after the all-reduces, which
         # follow the weight gradient's cast: both fp32 input gradients live
-        two = where(run.tp > 1, 4, 0)
-        moment = imax(moment, 2 * (g - c) * hf + (4 + two - 2 * c) * tokens * m.hidden - 4 * c * tokens * f_t)
-    amp = where((_autocast(run) == 1) & (held >= 1) & ((run.tp == 1) | (not run.sp)) & (run.pp == 1), moment,
+        two = where((run.tp > 1) & (not run.sp), 4, 0)
+        last = 2 * (g - c) * hf + (4 + two - 2 * c) * tokens * m.hidden - 4 * c * tokens * f_t
+        moment = imax(moment, last)
+    # under TP, then the last projection's fp32 input gradient (SwiGLU: the sum under SP) goes to its collective, the
+    # compute-dtype weight gradient freed: the all-reduce's output, or under SP the reduce-scatter's concatenated
+    # input and sharded output
+    _, _, tok_sp, _ = _shape(run)
+    coll = 4 * tokens * m.hidden + (4 * tok_sp * m.hidden if run.sp else 0)
+    moment = imax(moment, where(run.tp > 1, last - c * hf + coll, _NEVER))
+    amp = where((_autocast(run) == 1) & (held >= 1) & (run.pp == 1), moment,
                 _NEVER)
     k = 2 if m.mlp == "swiglu" else 1
     plain = (1 if later else k) * g * hf + k * c * tokens * m.hidden - (2 * k - 1) * c * tokens * f_t
@@ -2479,6 +2498,27 @@ def input_norm_backward(run: Run, plain: dict[str, Num]) -> Num:
     return plain.get("attn_norm", 0) + plain.get("attn_norm_normalized", 0) + _eager_norm_backward(run, merged=True)
 
 
+def _first_head_backward(run: Run) -> Num:
+    """The LM head's backward in a first micro-batch (torch, full loss, a training unquantized head, gradients not
+    FSDP2's sharded ones), beyond what is held at the loss gradient less what the loss saved (freed by its backward):
+    at the input-gradient matmul, the logits' gradient in the compute dtype, the head's new weight gradient (the
+    compute dtype under autocast, else the parameter's: `.grad` itself, which the loss moment does not count) and
+    the input gradient, all tokens (`c*V/t*tok + dw + c*tok*h`); under autocast then the cast node's moment, as in
+    `_later_head_backward`. It outweighs the loss's own fp32 gradients where the vocabulary shard is narrow next to
+    the hidden size (vocab-parallel TP, small vocabularies). Measured op by op by the harness (GQA over tp 4 at 1024
+    tokens, h 512, V 256: -0.5% of the backward without it)."""
+    t = run.training
+    if run.profile != "torch" or t.loss != "full" or not _head_trains(run) or t.quantize_head:
+        return 0
+    c, _, _, tok_in = _shape(run)
+    p = DTYPE_BYTES[run.recipe.param_dtype]
+    head = scaled(run, head_params(run.model, run.profile, run.tp))
+    ac = _autocast(run)
+    at_mm = c * _logit_elems(run) + where(ac == 1, c * head, p * head) + c * tok_in * run.model.hidden
+    at_cast = where((ac == 1) & (run.pp == 1), _residual_grad_bytes(run) + p * head, _NEVER)
+    return where(fsdp_sharded(run) == 0, imax(at_mm, at_cast) - _loss_freed(run), 0)
+
+
 def _later_head_backward(run: Run, stage: Num, held: Num) -> tuple[Num, Num]:
     """(activations at the LM head's backward in a later micro-batch, on the last stage, or _NEVER; the head's new
     parameter-dtype weight gradient, 0 where the moment is not modelled). `held` (what
@@ -2977,10 +3017,11 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         head_bwd_tr = imax(head_bwd_tr, where(last, _chunked_head_wgrad_transient(run), 0))
     if run.profile == "megatron":
         head_bwd_tr = imax(head_bwd_tr, where(last, _megatron_head_backward(run), 0))
+    head_bwd_tr = imax(head_bwd_tr, where(last, _first_head_backward(run), 0))
     bwd_tr = imax(imax(loss_bwd, core_tr), head_bwd_tr)
     # the end of the LM head's backward (under SP its input gradient's reduce-scatter) and the final norm's
     # backward: the loss's and the head's terms freed, the norm's own saved set live
-    norm_bwd = imax(_final_norm_backward(run), _sp_head_grad_scatter(run))
+    norm_bwd = imax(_final_norm_backward(run), _head_grad_end(run))
     has_norm_bwd = last & (norm_bwd > 0)
     norm_bwd = norm_bwd - (head_freed - last_stage_terms(run)["final_norm"])
     # (a first micro-batch's: each layer's down weight gradient is counted made at its moment, `_down_wgrad_bytes`)

@@ -193,14 +193,18 @@ def stage_memory(run: Run, stage: Num = 0) -> StageMemory:
     # the last layer's MLP in forward: its down projection and the LM head not yet cast (at the down projection:
     # the head)
     casts = bufs["amp_weight_casts"].bytes if "amp_weight_casts" in bufs else 0
-    for ph, pending in zip(("forward_mlp", "forward_down"), amp_casts_after_last_mlp(run, stage, casts)):
-        at[ph] = at.get("forward_layer_end", 0) - pending
+    layer_end = at.get("forward_layer_end", 0)
+    pending = amp_casts_after_last_mlp(run, stage, casts)
+    for ph, p in zip(("forward_mlp", "forward_down"), pending):
+        at[ph] = layer_end - p
         side_at[ph] = side_at.get("forward_layer_end", 0)
     # and at its eager attention core: its output projection, MLP and the LM head not yet cast; FSDP2's buffers
     # as at the layer's end (its copy-out, before, freed the previous unit's all-gather output: measured, a 1-layer
     # ZeRO-2 run's eager forward was +3.5% with it)
-    at["forward_attention"] = at.get("forward_layer_end", 0) - amp_casts_after_last_core(run, stage, casts)
+    at["forward_attention"] = layer_end - amp_casts_after_last_core(run, stage, casts)
     side_at["forward_attention"] = side_at.get("forward_layer_end", 0)
+    # the layer's end itself (its down projection's output and collective) precedes the LM head's cast too
+    at["forward_layer_end"] = layer_end - pending[1]
     grads = s.grads + s.grads_fp32
     first_grads, shares = _first_grads(run, stage), _layer_shares(run, stage)
     phases = _phases(run, s, act, at, grads, first_grads, shares)
