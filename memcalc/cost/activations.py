@@ -210,6 +210,28 @@ def _op_sac_terms(run: Run) -> dict[str, Num]:
     return out
 
 
+def _op_sac_kept_beyond_plain(run: Run, mode: str) -> Num:
+    """Of op-level SAC's kept outputs (`_op_sac_terms`), those still held through the layer's re-run and backward
+    that are no tensor a plain layer saves: the down projection's output (SwiGLU's 7th matmul; the residual add
+    saves nothing). The re-run stops once the last tensor backward needs is made (torch.utils.checkpoint's early
+    stop, at the down projection), so that kept output is never handed back. The layer's re-run remakes every
+    plain-saved tensor but the kept ones that are the same tensor (the checkpoint's input, v, the gate's (fc's)
+    output, the attention output and its statistics); the kept q projection's output (before rotary) is handed to
+    the re-run and freed there. Under SP the down (GELU: proj) projection's kept reduce-scatter output likewise
+    stays, `c*tok_sp*h`. So the re-run's net is `plain - kept` plus this. Measured by the harness op by op (a 2-layer
+    pure-bf16 SwiGLU toy at 1024 tokens, h 512: one c*tok*h short in backward without it; TP 2 + SP on a real gloo
+    world: one c*tok_sp*h short)."""
+    if mode != "op" or run.dropout > 0:
+        # (with dropout the re-run goes on to the MLP output's dropout mask, through the down projection, whose kept
+        # output it takes back and frees)
+        return 0
+    terms = _op_sac_terms(run)
+    # under SP the re-run stops before the down projection's reduce-scatter too: its kept output stays
+    c, _, tok_sp, _ = _shape(run)
+    rs = where(run.tp > 1, c * tok_sp * run.model.hidden, 0) if run.sp else 0
+    return terms.get("sac_down_output", 0) + rs
+
+
 def _hf_moe_terms(run: Run, out: dict[str, Num]) -> None:
     """What Hugging Face's `MixtralSparseMoeBlock` (transformers models/mixtral/modeling_mixtral.py, read at
     00d4b3d) saves, op by op, for `tok` tokens and R = k * tok routed copies; the input xs is the norm output, in
@@ -544,18 +566,19 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
 
 
 def _saved_cast_terms(run: Run) -> dict[str, Num]:
-    """AMP (autocast over fp32 weights) with full recompute, without pipelining: the autocast cache is cleared when
-    each micro-batch's forward region exits, so a plain layer (--recompute-layers, --recompute-every) keeps its
-    weights' compute-dtype casts only through its matmuls' saved tensors, and a checkpointed layer's re-run casts
-    its weights again, saved by the re-run matmuls until their backward (the re-run enters its own autocast region:
-    torch.utils.checkpoint restores the autocast state). Counted here as part of one layer's saved set, so each
-    plain layer frees them at its backward and `_remat_net` re-makes them; `buffers._amp_casts` leaves them out of
-    its forward figure. The q/k/v casts last to the attention core's moment (`_UP_TO_CORE`), the down projection's
-    is freed by the MLP's (`layer_backward_transient`). Under pipelining the step's autocast cache keeps every
-    cast anyway (`buffers._amp_casts_step_cache`). Dense layers only (an MoE layer's are not modelled). Measured
-    by the harness (docs/validation.md)."""
+    """AMP (autocast over fp32 weights) with full (or op-level) recompute, without pipelining: the autocast cache is
+    cleared when each micro-batch's forward region exits, so a plain layer (--recompute-layers, --recompute-every)
+    keeps its weights' compute-dtype casts only through its matmuls' saved tensors, and a checkpointed layer's re-run
+    casts its weights again, saved by the re-run matmuls until their backward (the re-run enters its own autocast
+    region: torch.utils.checkpoint restores the autocast state; op-level SAC keeps no cast: `_to_copy` is not on its
+    list). Counted here as part of one layer's saved set, so each plain layer frees them at its backward and
+    `_remat_net` re-makes them; `buffers._amp_casts` leaves them out of its forward figure (op-level SAC without them:
+    -1.1% to -3.8% of a 2-layer h 512 toy's backward at 256 to 1024 tokens). The q/k/v casts last to the attention
+    core's moment (`_UP_TO_CORE`), the down projection's is freed by the MLP's (`layer_backward_transient`). Under
+    pipelining the step's autocast cache keeps every cast anyway (`buffers._amp_casts_step_cache`). Dense layers
+    only (an MoE layer's are not modelled). Measured by the harness (docs/validation.md)."""
     m, tr = run.model, run.training
-    if tr.recompute != "full" or m.moe is not None or run.profile != "torch":
+    if tr.recompute not in ("full", "op") or m.moe is not None or run.profile != "torch":
         return {}
     f = _autocast(run) * where(run.pp == 1, 1, 0) * DTYPE_BYTES[run.recipe.compute_dtype]
     qkv, rest, down = saved_cast_elems(run)
@@ -1716,21 +1739,32 @@ def _recomputed_down_matmul(run: Run) -> Num:
 
 
 def _recomputed_plain_end(run: Run) -> Num:
-    """A checkpointed dense layer's re-run forward (non-reentrant `torch.utils.checkpoint`, torch profile, no LoRA,
-    no dropout, tp 1), beyond the recomputed saved set: the re-run stops as the down (or proj) projection saves its
-    input (and, under autocast, its weight's cast). Live besides: the incoming gradient of the residual stream, an
-    unsaved attention half's sum (`_stream_unsaved`) and, under autocast, the MLP's argument, the norm's fp32
-    output, which no matmul saves (each saves its own cast: `_mlp_forward_extra`), and the down projection's output
-    gradient, which the residual add's backward has cast to the compute dtype before the down projection's backward
-    unpacks its input and so starts the re-run (`layer_backward_transient`'s `out_grad`). The highest of the
+    """A checkpointed dense layer's re-run forward (non-reentrant `torch.utils.checkpoint`, full or op-level, torch
+    profile, no LoRA, no dropout, tp 1 or SP), beyond the recomputed saved set: the re-run stops as the down (or
+    proj) projection saves its input (and, under autocast, its weight's cast). Live besides: the incoming gradient
+    of the residual stream, an unsaved attention half's sum (`_stream_unsaved`) and, under autocast, the MLP's
+    argument, the norm's fp32 output, which no matmul saves (each saves its own cast: `_mlp_forward_extra`), and the
+    down projection's output gradient, which the residual add's backward has cast to the compute dtype before the
+    down projection's backward unpacks its input and so starts the re-run (`layer_backward_transient`'s
+    `out_grad`). The highest of the
     layer's backward moments where the MLP is narrow (f = h/2 under AMP: -2.1% of a toy's backward without it).
-    `_NEVER` elsewhere."""
+    Under SP also the norm output's shard, which the layer's call holds beside its all-gather, and the output
+    gradient's all-gather (`_sp_grad_gather`, before the re-run) in place of the compute-dtype shard (AMP over TP 4:
+    -2.2% of a toy's backward without them, tests/test_validate_op_sac.py). `_NEVER` elsewhere (TP without SP: not
+    measured)."""
     m = run.model
     if run.profile != "torch" or m.moe is not None or run.training.lora_rank is not None or run.dropout > 0:
         return _NEVER
     c, _, tok_sp, tok_in = _shape(run)
     half_sum = _stream_unsaved(run) // 2 if m.block == "sequential" else 0
     end = _residual_grad_bytes(run) + half_sum + _autocast(run) * (4 * tok_in * m.hidden + c * tok_sp * m.hidden)
+    if run.sp:
+        # under SP the MLP's argument is the all-gather of the norm's output, whose shard the layer's call holds, and
+        # the output gradient is all-gathered before the re-run (`_sp_grad_gather`): that full-sequence copy in
+        # place of the compute-dtype shard
+        sp_end = (end + _stream_bytes(run, c) * tok_sp * m.hidden + c * tok_in * m.hidden
+                  - _autocast(run) * c * tok_sp * m.hidden)
+        return where(run.tp > 1, sp_end, end)
     return where(run.tp == 1, end, _NEVER)
 
 
@@ -2085,6 +2119,24 @@ def checkpointed_mlp_forward(run: Run, plain: dict[str, Num]) -> tuple[Num, Num]
     return where(run.cp > 1, _NEVER, at_act), where(run.cp > 1, _NEVER, at_down)
 
 
+def _op_sac_pending(run: Run) -> tuple[Num, Num]:
+    """Op-level SAC, the last layer's MLP in forward (`checkpointed_mlp_forward`, whose no-grad moments the SAC'd
+    forward shares: it saves nothing but the kept outputs): what those moments count that the layer's kept set
+    (`_op_sac_terms`, held from the layer's start) also counts, at the activation and at the down projection. The
+    kept outputs not made yet at the activation (SwiGLU's down projection output; under SP the row-parallel
+    reduce-scatter's output) are not live there, and at the down projection the moment counts them itself; GELU's
+    kept fc output is the activation's input, which the moment counts too. Measured by the harness (fp32 toys at
+    1024 tokens, h 512: the forward was -4.9% (SwiGLU) and -1.7% (GELU) without it)."""
+    t = run.training
+    if t.recompute != "op":
+        return 0, 0
+    c, tok, tok_sp, _ = _shape(run)
+    terms = _op_sac_terms(run)
+    pending = terms.get("sac_down_output", 0) + (where(run.tp > 1, c * tok_sp * run.model.hidden, 0) if run.sp else 0)
+    fc = terms.get("sac_fc_output", 0)
+    return pending + fc, pending
+
+
 def _math_scaled_q(run: Run) -> Num:
     """SDPA's math fallback (`eager_core` without `--attention eager`) scales Q before its score matmul
     (`_scaled_dot_product_attention_math`: `q * scaling_factor`): with autograd the matmul saves that tensor (the `q`
@@ -2126,6 +2178,13 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
         # and K^T are freed with the matmul when nothing saves them)
         plain = layer_terms(run, "none")
         before = sum(terms.values()) + sum(plain.get(k, 0) for k in ("q", "k", "v", "qkv_fused_buffer"))
+        if mode == "op":
+            # op-level SAC: of the layer's kept outputs only those made by now, the checkpoint's input and the q and
+            # v projections' outputs; v is the V local itself (or, repeated under GQA, its original, `originals`),
+            # and so is q but under rotary, which makes a new Q. Measured by the harness: the gate's and the down
+            # projection's outputs and a second V counted before, +1.3% to +3.0% of eager toys' forward
+            before = (terms.get("checkpoint_input", 0) + sum(plain.get(k, 0) for k in ("q", "k", "v"))
+                      + (terms.get("sac_q_output", 0) if m.positions == "rotary" else 0))
         before = before + _stream_bytes(run, c) * tok * m.hidden
         # q/k norms under AMP (`_fp32_core_inputs`): rotary's Q and K, and under GQA K's repetition, are fp32
         # locals, 4 - c bytes more per element than counted (the matmul's casts of them are freed with it, without
@@ -2816,7 +2875,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         # after the unit's plain layers of this micro-batch have freed their activations (offloaded: they were
         # never all resident, the window below stands for them); every K-th: after the `top` plain ones above the
         # last checkpointed layer, whose re-run is the highest (each lower one finds more freed)
-        rerun_net = _remat_net(mode, plain, _remat_kept(run, kept_bytes))
+        rerun_net = _remat_net(mode, plain, _remat_kept(run, kept_bytes)) + _op_sac_kept_beyond_plain(run, mode)
         remat = where(ck > 0, rerun_net - (0 if off else top * plain_bytes), 0)
     one_more = d_plain * plain_bytes + d_ck * kept_bytes  # what one more layer adds to a unit
     first_unit = unit_bytes + (c_first - unit_layers) * one_more  # interleaved: a unit of the rank's first chunk
@@ -3034,7 +3093,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         re_run = where(ck > 0, remat + _recomputed_down_matmul(run), 0)
     if mode == "full" and not off and _down_adapted(run):
         re_run = imax(re_run, where(ck > 0, remat + _recomputed_adapter_end(run), 0))
-    if mode == "full" and not off:  # (a `_NEVER` end stays below every other moment)
+    if mode in ("full", "op") and not off:  # (a `_NEVER` end stays below every other moment)
         re_run = imax(re_run, where(ck > 0, remat + _recomputed_plain_end(run), 0))
     if mode in ("full", "op") and not off:
         # the re-run forward's eager core, with grad, beside the incoming gradient: a plain layer's forward moment
@@ -3211,8 +3270,13 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     attn_fwd = base - last_layer + w_prev + core_fwd
     # a fully checkpointed last layer's MLP (its no-grad forward), on top of everything held with its input
     ck_mlp_fwd = ck_down_fwd = _NEVER
-    if mode == "full" and not off:
+    if mode in ("full", "op") and not off:
         at_act, at_down = checkpointed_mlp_forward(run, plain)
+        if mode == "op":
+            # op-level SAC: the layer's kept outputs are in `held` from its start; those the MLP makes are counted
+            # there and in these moments (`_op_sac_pending`)
+            act_less, down_less = _op_sac_pending(run)
+            at_act, at_down = at_act - act_less, at_down - down_less
         ck_mlp_fwd = where(last_plain, _NEVER, base + w_prev + at_act)
         ck_down_fwd = where(last_plain, _NEVER, base + w_prev + at_down)
     pair = w_last + w_prev

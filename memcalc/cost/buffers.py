@@ -312,10 +312,10 @@ def _amp_casts(run: Run, stage: Num, n_train: Num) -> Buffer:
     phases = fwd_only if run.training.recompute in ("full", "op") else FWD_BWD
     t = run.training
     elems = n_train if t.lora_rank is not None else matmul_weight_elems(run, stage)
-    if t.recompute == "full" and run.model.moe is None and t.lora_rank is None and run.profile == "torch":
+    if t.recompute in ("full", "op") and run.model.moe is None and t.lora_rank is None and run.profile == "torch":
         # the plain layers' copies are in their saved sets (activations._saved_cast_terms), without pipelining
         n = stage_layers(run, stage)
-        plain = n - checkpointed_layers("full", t, n)
+        plain = n - checkpointed_layers(t.recompute, t, n)
         if t.offload_activations:
             # offloaded, a plain layer's saved copies are autocast's weight casts, which the offloading hook keeps on
             # the device (no host copy) until that layer's backward; in forward they are counted here, but for the

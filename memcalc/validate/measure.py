@@ -112,6 +112,11 @@ class Tracker(TorchDispatchMode):
         # on a real gloo world: uid -> index of the free event of each storage freed off the main thread.
         self.watch_late_frees = False
         self.late_frees: dict[int, int] = {}
+        # `_carry_over`: a collective's input storage (key -> uid) whose allocation `wait_tensor`'s fake output took
+        # over, while that input is still referenced; and the allocations whose output died first (uid -> bytes)
+        self.carried_inputs: dict[int, int] = {}
+        self.carried_uids: set[int] = set()
+        self.outlived: dict[int, int] = {}
 
     # -- lifecycle
     def __enter__(self) -> "Tracker":
@@ -190,10 +195,26 @@ class Tracker(TorchDispatchMode):
 
     def _free(self, key: int, uid: int) -> None:
         with self._lock:
+            if self.carried_inputs.get(key) == uid:
+                # a collective's input, whose allocation its fake `wait_tensor` output took over: on a device they
+                # are one storage, freed when the last of the two goes
+                del self.carried_inputs[key]
+                self.carried_uids.discard(uid)
+                if uid not in self.outlived:
+                    return
+                n = self.outlived.pop(uid)
+                self.events.append((uid, -n))
+                self.streams.append(None)
+                return
             if self.uid.get(key) != uid:
                 return
             n = self.sizes.pop(key)
             del self.uid[key]
+            if uid in self.carried_uids:
+                # the output went first while the input is still referenced (op-level SAC caches a reduce-scatter's
+                # output before its wait): the allocation lives on with it
+                self.outlived[uid] = n
+                return
             if self.watch_late_frees and threading.current_thread() is not threading.main_thread():
                 self.late_frees[uid] = len(self.events)
             self.events.append((uid, -n))
@@ -229,7 +250,9 @@ class Tracker(TorchDispatchMode):
     def _carry_over(self, args: Any, out: Any) -> bool:
         """`wait_tensor` returns its input on a device (the collective's output, now complete), but the fake kernel
         behind meta and fake tensors returns a new tensor: the input's allocation is carried over to that tensor
-        (same uid, bytes and life as far as the output reaches), so a fake run does not count the output twice.
+        (same uid and bytes), so a fake run does not count the output twice, and it lives as long as either does (on
+        a device they are one storage: op-level SAC caches a reduce-scatter's output before its wait, and keeps it
+        when the waited tensor is gone; without this a fake run freed it early, -3.6% in forward under TP 2 + SP).
         Without it a fake run held a second copy of each functional collective's output for a moment: under SP the
         reduce-scatter's, c tok/t h bytes (256 MiB a layer for Llama-3.1-70B at 131,072 tokens over TP 8); the H100's
         TP 4 + SP row replayed 8.5% low for it (docs/methodology.md, "Fragmentation")."""
@@ -245,6 +268,10 @@ class Tracker(TorchDispatchMode):
             self.sizes[dst], self.uid[dst] = self.sizes.pop(src), self.uid.pop(src)
             if self.ptrs is not None:
                 self.ptrs[dst] = self.ptrs.pop(src, 0)
+            # (the input's own finalizer, registered when it was allocated, now ends the allocation only if the
+            # output is gone by then: `_free`)
+            self.carried_inputs[src] = self.uid[dst]
+            self.carried_uids.add(self.uid[dst])
         try:
             weakref.finalize(st, self._free, dst, self.uid[dst])
         except TypeError:
