@@ -226,10 +226,9 @@ def _op_sac_kept_beyond_plain(run: Run, mode: str) -> Num:
         # output it takes back and frees)
         return 0
     terms = _op_sac_terms(run)
-    # under SP the re-run stops before the down projection's reduce-scatter too: its kept output stays
-    c, _, tok_sp, _ = _shape(run)
-    rs = where(run.tp > 1, c * tok_sp * run.model.hidden, 0) if run.sp else 0
-    return terms.get("sac_down_output", 0) + rs
+    # under SP the re-run stops before the down projection's reduce-scatter too: its kept output (one of the two)
+    # stays
+    return terms.get("sac_down_output", 0) + terms.get("sac_reduce_scatter_outputs", 0) // 2
 
 
 def _hf_moe_terms(run: Run, out: dict[str, Num]) -> None:
@@ -1746,9 +1745,8 @@ def _recomputed_plain_end(run: Run) -> Num:
     argument, the norm's fp32 output, which no matmul saves (each saves its own cast: `_mlp_forward_extra`), and the
     down projection's output gradient, which the residual add's backward has cast to the compute dtype before the
     down projection's backward unpacks its input and so starts the re-run (`layer_backward_transient`'s
-    `out_grad`). The highest of the
-    layer's backward moments where the MLP is narrow (f = h/2 under AMP: -2.1% of a toy's backward without it).
-    Under SP also the norm output's shard, which the layer's call holds beside its all-gather, and the output
+    `out_grad`). The highest of the layer's backward moments where the MLP is narrow (f = h/2 under AMP: -2.1% of a
+    toy's backward without it). Under SP also the norm output's shard, which the layer's call holds beside its all-gather, and the output
     gradient's all-gather (`_sp_grad_gather`, before the re-run) in place of the compute-dtype shard (AMP over TP 4:
     -2.2% of a toy's backward without them, tests/test_validate_op_sac.py). `_NEVER` elsewhere (TP without SP: not
     measured)."""
@@ -1927,8 +1925,7 @@ def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: N
     _, _, tok_sp, _ = _shape(run)
     coll = 4 * tokens * m.hidden + (4 * tok_sp * m.hidden if run.sp else 0)
     moment = imax(moment, where(run.tp > 1, last - c * hf + coll, _NEVER))
-    amp = where((_autocast(run) == 1) & (held >= 1) & (run.pp == 1), moment,
-                _NEVER)
+    amp = where((_autocast(run) == 1) & (held >= 1) & (run.pp == 1), moment, _NEVER)
     k = 2 if m.mlp == "swiglu" else 1
     plain = (1 if later else k) * g * hf + k * c * tokens * m.hidden - (2 * k - 1) * c * tokens * f_t
     return where((_autocast(run) == 0) & (fsdp_sharded(run) == 0), plain, amp)
@@ -2130,11 +2127,10 @@ def _op_sac_pending(run: Run) -> tuple[Num, Num]:
     t = run.training
     if t.recompute != "op":
         return 0, 0
-    c, tok, tok_sp, _ = _shape(run)
     terms = _op_sac_terms(run)
-    pending = terms.get("sac_down_output", 0) + (where(run.tp > 1, c * tok_sp * run.model.hidden, 0) if run.sp else 0)
-    fc = terms.get("sac_fc_output", 0)
-    return pending + fc, pending
+    # (under SP the second of the two reduce-scatter outputs, the down projection's)
+    pending = terms.get("sac_down_output", 0) + terms.get("sac_reduce_scatter_outputs", 0) // 2
+    return pending + terms.get("sac_fc_output", 0), pending
 
 
 def _math_scaled_q(run: Run) -> Num:
