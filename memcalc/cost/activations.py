@@ -1746,10 +1746,10 @@ def _recomputed_plain_end(run: Run) -> Num:
     down projection's output gradient, which the residual add's backward has cast to the compute dtype before the
     down projection's backward unpacks its input and so starts the re-run (`layer_backward_transient`'s
     `out_grad`). The highest of the layer's backward moments where the MLP is narrow (f = h/2 under AMP: -2.1% of a
-    toy's backward without it). Under SP also the norm output's shard, which the layer's call holds beside its all-gather, and the output
-    gradient's all-gather (`_sp_grad_gather`, before the re-run) in place of the compute-dtype shard (AMP over TP 4:
-    -2.2% of a toy's backward without them, tests/test_validate_op_sac.py). `_NEVER` elsewhere (TP without SP: not
-    measured)."""
+    toy's backward without it). Under SP also the norm output's shard, which the layer's call holds beside its
+    all-gather, and the output gradient's all-gather (`_sp_grad_gather`, before the re-run) in place of the
+    compute-dtype shard (AMP over TP 4: -2.2% of a toy's backward without them, tests/test_validate_op_sac.py).
+    `_NEVER` elsewhere (TP without SP: not measured)."""
     m = run.model
     if run.profile != "torch" or m.moe is not None or run.training.lora_rank is not None or run.dropout > 0:
         return _NEVER
@@ -2131,6 +2131,56 @@ def _op_sac_pending(run: Run) -> tuple[Num, Num]:
     # (under SP the second of the two reduce-scatter outputs, the down projection's)
     pending = terms.get("sac_down_output", 0) + terms.get("sac_reduce_scatter_outputs", 0) // 2
     return pending + terms.get("sac_fc_output", 0), pending
+
+
+def _checkpointed_attention_locals(run: Run, terms: dict[str, Num]) -> tuple[Num, Num, Num] | None:
+    """A checkpointed layer's attention in forward (nothing saved but the kept set `terms`): (what it holds
+    throughout beyond what is held when the layer starts, one of Q, K, V's bytes each): the checkpoint's input (or
+    under op-level SAC the kept outputs made by then, which are the projections' q and v themselves), the norm output
+    in the stream's dtype (under SP its shard too, held by the layer's call, beside the all-gather); Q and K/V
+    `c tok a d / t` and `c tok g d / t`. None where not modelled: no rotary, fused QKV, q/k norms, MLA, MoE, parallel
+    blocks, other profiles (and context parallelism: the callers' `_NEVER`)."""
+    m = run.model
+    if (run.profile != "torch" or m.positions != "rotary" or run.training.qkv_impl == "fused" or m.qk_norm
+            or m.mla is not None or m.moe is not None or m.block != "sequential"):
+        return None
+    c, tok, tok_sp, _ = _shape(run)
+    stream = _stream_bytes(run, c)
+    held = terms.get("checkpoint_input", 0) + stream * tok * m.hidden
+    if run.sp:
+        held = held + where(run.tp > 1, stream * tok_sp * m.hidden, 0)
+    return held, c * tok * m.head_dim * (m.heads // run.tp), c * tok * m.head_dim * (m.kv_heads // run.tp)
+
+
+def checkpointed_rotary_forward(run: Run, terms: dict[str, Num]) -> Num:
+    """A checkpointed layer's attention in forward (full or op-level recompute), at Q's rotary embedding
+    (`q * cos + rotate_half(q) * sin`, the harness's and Hugging Face's order, after the three projections), beyond
+    what is held when the layer starts: its locals (`_checkpointed_attention_locals`), the q, k and v projections'
+    outputs and three Q-sized tensors (`q * cos`, the rotated half's concatenation and its product with sin):
+    `held + c tok (a + 2g) d / t + 3 c tok a d / t`. K's rotary after it is no higher (g <= a). The attention half's
+    highest moment where the MLP is narrow or the stream wide: a fully recomputed fp32 layer at f = 1.375 h peaked
+    there (the forward -0.9% to -1.3% without it). `_NEVER` where not modelled."""
+    loc = _checkpointed_attention_locals(run, terms)
+    if loc is None:
+        return _NEVER
+    held, q, kv = loc
+    return where(run.cp > 1, _NEVER, held + q + 2 * kv + 3 * q)
+
+
+def checkpointed_o_forward(run: Run, terms: dict[str, Num]) -> Num:
+    """A fully checkpointed layer's attention in forward (no-grad), at its output projection after a flash core,
+    beyond what is held when the layer starts: its locals (`_checkpointed_attention_locals`), Q, K and V (rotated)
+    and the core's output (its log-sum-exp, which nothing references without grad, freed), then the projection's
+    output (partial under TP) and its collective's new tensors (SP's reduce-scatter: its concatenated input and
+    sharded output; without SP the all-reduce's output: `_row_parallel_collective`). The attention half's highest
+    moment under TP (TP 2 in fp32 at f = 1.375 h: the forward -1.6% (SP) and -0.14% without it). `_NEVER` where not
+    modelled, and after eager or math-path cores."""
+    loc = _checkpointed_attention_locals(run, terms)
+    if loc is None or eager_core(run):
+        return _NEVER
+    held, q, kv = loc
+    out = DTYPE_BYTES[run.recipe.compute_dtype] * _shape(run)[1] * run.model.hidden
+    return where(run.cp > 1, _NEVER, held + q + 2 * kv + q + out + _row_parallel_collective(run, all_reduce=True))
 
 
 def _math_scaled_q(run: Run) -> Num:
@@ -3263,6 +3313,12 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
     core_fwd = eager_attention_forward(run, plain, "none")
     if mode != "none":
         core_fwd = where(last_plain, core_fwd, eager_attention_forward(run, ck_terms, mode))
+    if mode in ("full", "op") and not off:
+        # (and, before any core, a checkpointed layer's rotary of Q; after a flash core, its output projection)
+        rot = checkpointed_rotary_forward(run, ck_terms)
+        if mode == "full":
+            rot = imax(rot, checkpointed_o_forward(run, ck_terms))
+        core_fwd = where(last_plain, core_fwd, imax(core_fwd, rot))
     attn_fwd = base - last_layer + w_prev + core_fwd
     # a fully checkpointed last layer's MLP (its no-grad forward), on top of everything held with its input
     ck_mlp_fwd = ck_down_fwd = _NEVER
