@@ -210,7 +210,7 @@ def _op_sac_terms(run: Run) -> dict[str, Num]:
     return out
 
 
-def _op_sac_kept_beyond_plain(run: Run, mode: str) -> Num:
+def _op_sac_kept_beyond_plain(run: Run) -> Num:
     """Of op-level SAC's kept outputs (`_op_sac_terms`), those still held through the layer's re-run and backward
     that are no tensor a plain layer saves: the down projection's output (SwiGLU's 7th matmul; the residual add
     saves nothing). The re-run stops once the last tensor backward needs is made (torch.utils.checkpoint's early
@@ -221,7 +221,7 @@ def _op_sac_kept_beyond_plain(run: Run, mode: str) -> Num:
     stays, `c*tok_sp*h`. So the re-run's net is `plain - kept` plus this. Measured by the harness op by op (a 2-layer
     pure-bf16 SwiGLU toy at 1024 tokens, h 512: one c*tok*h short in backward without it; TP 2 + SP on a real gloo
     world: one c*tok_sp*h short)."""
-    if mode != "op" or run.dropout > 0:
+    if run.training.recompute != "op" or run.dropout > 0:
         # (with dropout the re-run goes on to the MLP output's dropout mask, through the down projection, whose kept
         # output it takes back and frees)
         return 0
@@ -2603,55 +2603,52 @@ def input_norm_backward(run: Run, plain: dict[str, Num]) -> Num:
     return plain.get("attn_norm", 0) + plain.get("attn_norm_normalized", 0) + _eager_norm_backward(run, merged=True)
 
 
-def _first_head_backward(run: Run) -> Num:
-    """The LM head's backward in a first micro-batch (torch, full loss, a training unquantized head, gradients not
-    FSDP2's sharded ones), beyond what is held at the loss gradient less what the loss saved (freed by its backward):
-    at the input-gradient matmul, the logits' gradient in the compute dtype, the head's new weight gradient (the
-    compute dtype under autocast, else the parameter's: `.grad` itself, which the loss moment does not count) and
-    the input gradient, all tokens (`c*V/t*tok + dw + c*tok*h`); under autocast then the cast node's moment, as in
-    `_later_head_backward`. It outweighs the loss's own fp32 gradients where the vocabulary shard is narrow next to
-    the hidden size (vocab-parallel TP, small vocabularies). Measured op by op by the harness (GQA over tp 4 at 1024
-    tokens, h 512, V 256: -0.5% of the backward without it)."""
+def _head_backward(run: Run) -> Num | None:
+    """The LM head's backward beyond what is held at the loss gradient less what the loss saved (freed by its
+    backward): at the input-gradient matmul, the logits' gradient in the compute dtype, the head's new weight
+    gradient `dw` (the compute dtype under autocast, else the parameter's) and the input gradient, all tokens
+    (`c*V/t*tok + dw + c*tok*h`); under autocast (pp 1) then the cast node's moment, the logits' gradient freed, the
+    input gradient cast to the stream's dtype and the parameter-dtype gradient made in place of the freed weight
+    copy (buffers' `amp_weight_casts`): the larger of the two. None where not modelled: other profiles, losses
+    other than the full one, a frozen or quantized head."""
     t = run.training
     if run.profile != "torch" or t.loss != "full" or not _head_trains(run) or t.quantize_head:
-        return 0
+        return None
     c, _, _, tok_in = _shape(run)
     p = DTYPE_BYTES[run.recipe.param_dtype]
     head = scaled(run, head_params(run.model, run.profile, run.tp))
     ac = _autocast(run)
     at_mm = c * _logit_elems(run) + where(ac == 1, c * head, p * head) + c * tok_in * run.model.hidden
     at_cast = where((ac == 1) & (run.pp == 1), _residual_grad_bytes(run) + p * head, _NEVER)
-    return where(fsdp_sharded(run) == 0, imax(at_mm, at_cast) - _loss_freed(run), 0)
+    return imax(at_mm, at_cast) - _loss_freed(run)
+
+
+def _first_head_backward(run: Run) -> Num:
+    """The LM head's backward in a first micro-batch (`_head_backward`; its new weight gradient is `.grad` itself
+    without autocast, which the loss moment does not count), gradients not FSDP2's sharded ones; 0 elsewhere. It
+    outweighs the loss's own fp32 gradients where the vocabulary shard is narrow next to the hidden size
+    (vocab-parallel TP, small vocabularies). Measured op by op by the harness (GQA over tp 4 at 1024 tokens, h 512,
+    V 256: -0.5% of the backward without it)."""
+    moment = _head_backward(run)
+    return 0 if moment is None else where(fsdp_sharded(run) == 0, moment, 0)
 
 
 def _later_head_backward(run: Run, stage: Num, held: Num) -> tuple[Num, Num]:
     """(activations at the LM head's backward in a later micro-batch, on the last stage, or _NEVER; the head's new
-    parameter-dtype weight gradient, 0 where the moment is not modelled). `held` (what
-    the later backward holds at its loss gradient, without the loss's transients) less what the loss saved (freed
-    by its backward), plus the logits' gradient in the matmul's dtype, the head input's gradient and the head's
-    new weight gradient, which AccumulateGrad then adds in place to the `.grad` the earlier micro-batches made
-    (so it is a temporary beside all of the gradients: `p*V*h/t`). Under autocast the matmul makes it in the
-    compute dtype; the head's cast node runs next (pp = 1: made by this micro-batch's forward) and makes the
-    parameter-dtype gradient while the compute-dtype one is live and the saved weight copy is freed: the larger
-    of that moment and the matmul's. Under torch pipelining the cast node waits (`_later_backward_end`). The
-    torch profile with gradients in `.grad` (not FSDP2's sharded ones), the full loss, a training, unquantized
-    head. Measured: docs/validation.md rows 129-131."""
-    t = run.training
-    if run.profile != "torch" or t.loss != "full" or not _head_trains(run) or t.quantize_head:
+    parameter-dtype weight gradient, 0 where the moment is not modelled). `held` (what the later backward holds at
+    its loss gradient, without the loss's transients) plus `_head_backward`: the head's new weight gradient is a
+    temporary that AccumulateGrad then adds in place to the `.grad` the earlier micro-batches made (beside all of
+    the gradients: `p*V*h/t`); under autocast its cast node runs next (pp = 1: made by this micro-batch's forward).
+    Under torch pipelining the cast node waits (`_later_backward_end`). The torch profile with gradients in `.grad`
+    (not FSDP2's sharded ones), the full loss, a training, unquantized head. Measured: docs/validation.md rows
+    129-131."""
+    moment = _head_backward(run)
+    if moment is None:
         return _NEVER, 0
-    m = run.model
-    c, _, _, tok_in = _shape(run)
     p = DTYPE_BYTES[run.recipe.param_dtype]
-    head = scaled(run, head_params(m, run.profile, run.tp))
-    base = held - _loss_freed(run)
-    at_mm = base + c * _logit_elems(run) + c * tok_in * m.hidden
-    ac = _autocast(run)
-    dw = where(ac == 1, c * head, p * head)
-    # the cast's moment: the logits' gradient freed, the input gradient cast to the stream's dtype, and the
-    # compute-dtype weight gradient in place of the freed weight copy (buffers' `amp_weight_casts`)
-    at_cast = where((ac == 1) & (run.pp == 1), base + _residual_grad_bytes(run) + p * head, _NEVER)
+    head = scaled(run, head_params(run.model, run.profile, run.tp))
     occurs = (stage == run.pp - 1) & (fsdp_sharded(run) == 0)
-    return where(occurs, imax(at_mm + dw, at_cast), _NEVER), where(occurs, p * head, 0)
+    return where(occurs, held + moment, _NEVER), where(occurs, p * head, 0)
 
 
 def _later_weight_grad(run: Run) -> Num:
@@ -2921,7 +2918,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         # after the unit's plain layers of this micro-batch have freed their activations (offloaded: they were
         # never all resident, the window below stands for them); every K-th: after the `top` plain ones above the
         # last checkpointed layer, whose re-run is the highest (each lower one finds more freed)
-        rerun_net = _remat_net(mode, plain, _remat_kept(run, kept_bytes)) + _op_sac_kept_beyond_plain(run, mode)
+        rerun_net = _remat_net(mode, plain, _remat_kept(run, kept_bytes)) + _op_sac_kept_beyond_plain(run)
         remat = where(ck > 0, rerun_net - (0 if off else top * plain_bytes), 0)
     one_more = d_plain * plain_bytes + d_ck * kept_bytes  # what one more layer adds to a unit
     first_unit = unit_bytes + (c_first - unit_layers) * one_more  # interleaved: a unit of the rank's first chunk
