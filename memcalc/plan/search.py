@@ -384,12 +384,20 @@ def _tight(res: SearchResult) -> np.ndarray:
     return (res.capacity - peak) < (peak * share).astype(np.int64)
 
 
+def parallel_dims(space: Space, pair: np.ndarray) -> np.ndarray:
+    """How many ways beyond data parallelism a layout splits the model: one each for tp, pp, cp > 1 and for an
+    interleaved schedule (vpp > 1). Within a 1% throughput band, where the time model cannot tell the layouts apart,
+    the one with fewer process groups, collectives and schedule knobs to get right ranks first."""
+    return ((space.tp[pair] > 1).astype(np.int64) + (space.pp[pair] > 1) + (space.cp[pair] > 1)
+            + (space.vpp[pair] > 1))
+
+
 def ranked(res: SearchResult) -> np.ndarray:
     """Indices into res.feasible, best first by the objective. Throughput: configurations within THROUGHPUT_TIE
     (1%) of the fastest, then of each next 1% band, count as equal; within a band a configuration whose headroom is
-    inside the reserved-memory model's error (`tight`) goes after those with room, and offload (its CPU step runs
-    at an assumed host rate, memcalc/cost/compute.py) after no offload; then the highest tokens/s, the lowest
-    peak. GPUs: the fewest GPUs among the fits with room, then the tight fits, each by fewest GPUs."""
+    inside the reserved-memory model's error (`tight`) goes after those with room, offload (its CPU step runs
+    at an assumed host rate, memcalc/cost/compute.py) after no offload, and a layout that splits the model more
+    ways (`parallel_dims`) after a simpler one; then the highest tokens/s, the lowest peak. GPUs: the fewest GPUs among the fits with room, then the tight fits, each by fewest GPUs."""
     f, s = res.feasible, res.space
     if f.size == 0:
         return np.zeros(0, dtype=np.int64)
@@ -408,7 +416,7 @@ def ranked(res: SearchResult) -> np.ndarray:
             band = np.floor(np.log(ratio) / np.log1p(THROUGHPUT_TIE)).astype(np.int64)
         else:  # no time model for this hardware: throughput cannot rank
             band = np.zeros(f.size, dtype=np.int64)
-        keys = (tie, gpus, f.peak, -f.tps, off, _tight(res), band)
+        keys = (tie, gpus, f.peak, -f.tps, parallel_dims(s, f.pair), off, _tight(res), band)
     return np.lexsort(keys)
 
 
