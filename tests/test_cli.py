@@ -188,6 +188,20 @@ def test_units_gb_vs_gib():
     assert " GiB" in gib and " GB" in gb
 
 
+def test_table_says_when_a_state_is_not_live_at_the_peak():
+    """The table's rows are what is live at the peak. Llama-3.1-8B, ZeRO-3 over 8 GPUs, one micro-batch: the peak is
+    the loss gradient, before backward makes any gradient, so the gradients row is 0 and its note gives the shard
+    once made: 8,030,261,248 / 8 = 1,003,782,656 (the shard sizes: --explain) x 4 B (fp32) = 3.74 GiB. With four
+    micro-batches the earlier backwards' gradients are live at the peak: no such note."""
+    code, out, _ = cli("estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--zero", "3")
+    assert code == 0
+    line = " ".join(next(ln for ln in out.splitlines() if ln.startswith("gradients")).split())
+    assert line.startswith("gradients 0.00")
+    assert "3.74 GiB once all made, 0.00 live at the peak (backward)" in " ".join(out.split())
+    code, out, _ = cli("estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--zero", "3", "--grad-accum", "4")
+    assert code == 0 and "once all made" not in out
+
+
 def test_explain_shows_formulas():
     code, out, _ = cli("estimate", "--model", "llama-2-7b", "--zero", "1", "--gpus", "8", "--explain")
     assert code == 0

@@ -38,7 +38,7 @@ def _num(b: int, units: str) -> str:
     return f"{b / UNIT_BYTES[units]:,.2f}"
 
 
-def _component_notes(est: Estimate, run: Run) -> dict[str, str]:
+def _component_notes(est: Estimate, run: Run, units: str) -> dict[str, str]:
     r = run.recipe
     d = est.inputs["parallel"]["shard_degree"]
     z = run.zero
@@ -86,6 +86,14 @@ def _component_notes(est: Estimate, run: Run) -> dict[str, str]:
         notes["fragmentation"] += (f"; reserved holds {pools / UNIT_BYTES['GiB']:.2f} GiB of FSDP2's all-gather and "
                                    "reduce-scatter stream pools, partly in use at the peak")
     notes["runtime"] = "outside the allocator"
+    # a state not (all) live at the peak: gradients before backward makes them (the loss gradient), or torch.optim's
+    # moments before its first step (--peak-step first); the table's figures are what is live at the peak
+    held = {"grads": det["grads"] + det["grads_fp32_copy"], "optimizer": det["optimizer_moments"]}
+    for key, full in held.items():
+        at_peak = est.memory.components.get(key, 0)
+        if full > at_peak:
+            notes[key] += (f"; {_num(full, units)} {units} once all made, {_num(at_peak, units)} live at the peak "
+                           f"({est.memory.peak_phase})")
     return notes
 
 
@@ -132,7 +140,7 @@ def render_estimate(est: Estimate, run: Run, units: str = "GiB", explain: bool =
     table.add_column("", no_wrap=True)
     table.add_column("note", style="dim")
     total = mem.peak_bytes
-    notes = _component_notes(est, run)
+    notes = _component_notes(est, run, units)
     for key, label in LABELS.items():
         b = mem.components.get(key, 0)
         if key in mem.not_modelled:
