@@ -554,6 +554,37 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
         dict(G2, gpus=2, tp=2, sp=True))
     add("FSDP2 ZeRO-3 bf16 AMP, Gemma 2 layer, selective recompute: softcapped logits and eager scores",
         dict(G2, gpus=2, zero=3, recompute="selective"))
+    # activation-heavy: 3 layers of h 512 at 512 tokens, a 1000-token vocabulary and SGD, so that the step's peak is
+    # a moment inside a layer's forward or backward (the rows above mostly peak at the loss or the optimizer step):
+    # op-level SAC's re-run, autocast's casts beside TP's collectives, the LM head's backward on narrow vocabulary
+    # shards, SDPA's math fallback for fp32 GQA (tests/test_validate_op_sac.py, test_validate_attention.py)
+    AH = dict(layers=3, hidden=512, heads=8, ffn=1024, vocab=1000, seq=512, optimizer="sgd")
+    add("activation-heavy: single fp32 GQA, op-level SAC", dict(AH, kv_heads=2, precision="fp32", recompute="op"))
+    add("activation-heavy: single bf16 AMP GQA, op-level SAC", dict(AH, kv_heads=2, precision="bf16", recompute="op"))
+    add("activation-heavy: single pure bf16 GQA, op-level SAC",
+        dict(AH, kv_heads=2, precision="bf16", master_weights=False, recompute="op"))
+    add("activation-heavy: TP2+SP bf16 AMP, op-level SAC", dict(AH, precision="bf16", recompute="op", gpus=2, tp=2,
+                                                              sp=True))
+    add("activation-heavy: TP2+SP pure bf16 GELU, op-level SAC",
+        dict(AH, precision="bf16", master_weights=False, recompute="op", gpus=2, tp=2, sp=True), {"mlp": "gelu"})
+    add("activation-heavy: TP4+SP bf16 AMP GQA, op-level SAC",
+        dict(AH, kv_heads=4, precision="bf16", recompute="op", gpus=4, tp=4, sp=True))
+    add("activation-heavy: TP4+SP fp32 GQA GELU (SDPA math), op-level SAC: the re-run core under SP",
+        dict(AH, kv_heads=4, precision="fp32", recompute="op", gpus=4, tp=4, sp=True), {"mlp": "gelu"})
+    add("activation-heavy: TP2+SP bf16 AMP, full recompute", dict(AH, precision="bf16", recompute="full", gpus=2, tp=2,
+                                                                 sp=True))
+    add("activation-heavy: TP2+SP bf16 AMP: the last layer's end before the head's cast",
+        dict(AH, precision="bf16", gpus=2, tp=2, sp=True))
+    add("activation-heavy: TP4+SP bf16 AMP GQA", dict(AH, kv_heads=4, precision="bf16", gpus=4, tp=4, sp=True))
+    add("activation-heavy: TP4 bf16 AMP GQA GELU: the input projections' all-reduce",
+        dict(AH, kv_heads=4, precision="bf16", gpus=4, tp=4), {"mlp": "gelu"})
+    add("activation-heavy: single bf16 AMP GELU, V 256: the final norm beside the head's input gradient",
+        dict(AH, vocab=256, precision="bf16"), {"mlp": "gelu"})
+    add("activation-heavy: TP4 pure bf16 GQA, V 256: the head's backward on 64-token shards",
+        dict(AH, kv_heads=4, vocab=256, precision="bf16", master_weights=False, gpus=4, tp=4))
+    add("activation-heavy: single fp32 GQA (SDPA math), 1024 tokens", dict(AH, kv_heads=2, seq=1024, precision="fp32"))
+    add("activation-heavy: single fp32 GQA (SDPA math) + dropout 0.1, 1024 tokens",
+        dict(AH, kv_heads=2, seq=1024, precision="fp32", dropout=0.1))
     return c
 
 
@@ -712,7 +743,13 @@ def render(results: list[dict[str, Any]], torch_version: str, total_s: float) ->
            "all-gather buffer more from run to run (seen on row 27: 3,809,324 or 3,875,372 bytes; row 63: "
            "2,201,036 or 2,227,916). Since 2026-11-28 the tracker notes every storage freed off the main thread,",
            "and `validate` measures a run again where such bytes are live at its peak, keeping the lower peak",
-           "(`late_free_bytes`, docs/json.md).",
+           "(`late_free_bytes`, docs/json.md). Under `--device meta` functional collectives wait at once (torch",
+           "waits on them when a FakeTensorMode is active), where a device defers the wait to the output's first use",
+           "and the process group keeps the collective's input until then: under AMP with SP and a checkpointed",
+           "layer, autocast's cast of the output gradient, all-gathered before the layer's re-run, lives through the",
+           "re-run over gloo (+256 KiB, -0.6% on the activation-heavy rows with recompute) and is freed at once on",
+           "meta, which memcalc follows. NCCL's work stashes its inputs until the wait (ProcessGroupNCCL's",
+           "`stashed_for_allocator_safety_`), so a GPU run is expected to measure what gloo does: not measured yet.",
            "Activation offloading (`--offload-activations`, memcalc/validate/offload.py) copies each block's saved",
            "storages to untracked host memory (pinned on CUDA) and reloads them one block ahead in backward.",
            "",

@@ -83,6 +83,9 @@ ROWS = {
     178: "PP x FSDP2 bf16, 1F1B's cool-down: every unit gathered, a layer's bf16 gradients before its post-backward",
     180: "PP x FSDP2 bf16, weight-heavy: a steady-state backward, then the cool-down",
     181: "LoRA under DDP: the adapters' buckets",
+    229: "activation-heavy, TP2+SP pure bf16 GELU, op-level SAC: the re-run's kept reduce-scatter outputs",
+    237: "activation-heavy, TP4 pure bf16 GQA, V 256: the LM head's backward on narrow vocabulary shards",
+    238: "activation-heavy, fp32 GQA through SDPA's math fallback, 1024 tokens",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3
