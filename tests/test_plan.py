@@ -104,15 +104,18 @@ def test_every_feasible_configuration_is_valid_and_fits(small):
                                    dict(keep_logits="fp32"), dict(offload_activations=True),
                                    dict(offload="optimizer"), dict(loss="fused"),
                                    dict(profile="megatron", loss="fused", cp_comm="a2a"), dict(cp_comm="a2a"),
-                                   dict(profile="deepspeed")],
+                                   dict(profile="deepspeed"), dict(model="llama-3-8b", precision="fp32"),
+                                   dict(model="llama-3-8b", precision="fp32", dropout=0.1)],
                          ids=["chunked", "chunked-eager", "lit-gpt", "keep-logits", "offload-activations",
                               "offload-optimizer", "fused", "megatron-fused-a2a", "torch-ulysses",
-                              "deepspeed-ulysses"])
+                              "deepspeed-ulysses", "fp32-gqa-sdpa-math", "fp32-gqa-sdpa-math-dropout"])
 def test_bulk_equals_estimate_for_losses_and_offloading(flags):
     """The losses' terms depend on the micro-batch (chunk copies, the head's weight-gradient moment, lit-gpt's kept
     logits) and offloading adds GPU <-> host copies to the step: for a sample of the bulk search's feasible rows,
     its peak equals `estimate`'s to the byte and its step time equals the scalar time model's. (The losses'
-    searches leave offloading out, a third of the space: the offloading cases search it.)"""
+    searches leave offloading out, a third of the space: the offloading cases search it.) fp32 GQA runs SDPA's math
+    fallback, whose moments branch on the model, not on the layout (a plan of it once raised on an array's truth
+    value)."""
     o = RunOptions(**{"model": "llama-2-7b", "gpus": 8, "gpu": "h100-sxm-80gb", "global_batch": 32, "seq": 4096,
                       "profile": "torch", **flags})
     offloading = "offload" in flags or "offload_activations" in flags

@@ -2183,12 +2183,18 @@ def checkpointed_o_forward(run: Run, terms: dict[str, Num]) -> Num:
     return where(run.cp > 1, _NEVER, held + q + 2 * kv + q + out + _row_parallel_collective(run, all_reduce=True))
 
 
+def _math_path(run: Run) -> bool:
+    """SDPA's math fallback: an eager core (`eager_core`) without `--attention eager` (a categorical test, also in
+    plan's bulk evaluation, where `_math_scaled_q` is an array)."""
+    return eager_core(run) and run.training.attention != "eager"
+
+
 def _math_scaled_q(run: Run) -> Num:
     """SDPA's math fallback (`eager_core` without `--attention eager`) scales Q before its score matmul
     (`_scaled_dot_product_attention_math`: `q * scaling_factor`): with autograd the matmul saves that tensor (the `q`
     term); in a core run without grad (checkpointed) it is a local beside the scores to the core's end, c tok a/t d.
     Measured by the harness: one fp32 tok x h under at a checkpointed core's moments before (forward -0.5%)."""
-    if not eager_core(run) or run.training.attention == "eager":
+    if not _math_path(run):
         return 0
     c, tok, _, _ = _shape(run)
     return c * tok * run.model.head_dim * (run.model.heads // run.tp)
@@ -2299,7 +2305,7 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
             # that input, the bool mask and the output, (3c + 1) S; with fp32 q the fp32 probabilities themselves
             # and an fp32 output, (c + 9) S. Measured: at (3c + 5) S the forward phase was 6-9% over (2 layers)
             dropped = where(f32 == 1, c * scores + 4 * scores + scores + 4 * scores, (3 * c + 1) * scores)
-            if _math_scaled_q(run):
+            if _math_path(run):
                 # SDPA's math fallback rebinds one variable (`attn = softmax(attn)`, then dropout), so the scores
                 # are gone by then: the probabilities, the mask and the output, (2c + 1) S, and its (s, s) causal
                 # bias, a local to the end (measured by the harness: an fp32 GQA model with dropout under full
@@ -2319,7 +2325,7 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
         probs_live = (4 * scores + copy + capped) if mode == "none" else (4 if c == 4 else c) * scores
     at_value = c * scores + probs_live + v_copy + head_out
     moment = where(f32 == 1, moment, imax(moment, at_value))
-    if mode == "none" and _math_scaled_q(run):
+    if mode == "none" and _math_path(run):
         # SDPA's math fallback (fp32 only: c = 4) rebinds one variable (`attn = softmax(attn)`, then dropout): the
         # softmax frees the scores, and its (s, s) causal bias is a local to the core's end. With autograd the
         # softmax output is saved, and with dropout so are its mask and its output (by the value matmul): at the

@@ -397,7 +397,8 @@ def ranked(res: SearchResult) -> np.ndarray:
     (1%) of the fastest, then of each next 1% band, count as equal; within a band a configuration whose headroom is
     inside the reserved-memory model's error (`tight`) goes after those with room, offload (its CPU step runs
     at an assumed host rate, memcalc/cost/compute.py) after no offload, and a layout that splits the model more
-    ways (`parallel_dims`) after a simpler one; then the highest tokens/s, the lowest peak. GPUs: the fewest GPUs among the fits with room, then the tight fits, each by fewest GPUs."""
+    ways (`parallel_dims`) after a simpler one; then the highest tokens/s, the lowest peak. GPUs: the fewest GPUs
+    among the fits with room, then the tight fits, each by fewest GPUs."""
     f, s = res.feasible, res.space
     if f.size == 0:
         return np.zeros(0, dtype=np.int64)
