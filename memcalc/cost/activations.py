@@ -3170,6 +3170,16 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             # (like the QLoRA moment above, relative to the re-run's whole set, `remat`, which holds the adjustments
             # for plain layers freed before it)
             x = _residual_grad_bytes(run) + core_rerun - shared - rerun_net
+            # without dropout SP's output-gradient all-gather precedes the re-run (`_sp_grad_gather`): its output
+            # is live through it
+            x = x + where(run.dropout > 0, 0, _sp_gathered_grad(run))
+            if mode == "op":
+                # op-level SAC's re-run takes the q and v projections' outputs from its cache, held since forward
+                # (the saved set): the core's V is that output again (a GQA repetition's original), and so is its Q,
+                # or under rotary the kept output is freed once the rotated Q is made. Measured by the harness: fp32
+                # GQA through SDPA's math fallback under TP 4 + SP, the re-run's score mask the step's peak, -2.4%
+                # (512 tokens) and -0.7% (1024) of the backward without these three terms
+                x = x - ck_terms.get("sac_q_output", 0) - ck_terms.get("sac_v_output", 0)
             re_run = imax(re_run, where(ck > 0, remat + x, 0))
     # under SP the output gradient's all-gather (`_sp_grad_gather`), before the down projection's backward and,
     # without the output dropout's mask to unpack first, before a checkpointed layer's re-run
