@@ -83,6 +83,7 @@ ROWS = {
     178: "PP x FSDP2 bf16, 1F1B's cool-down: every unit gathered, a layer's bf16 gradients before its post-backward",
     180: "PP x FSDP2 bf16, weight-heavy: a steady-state backward, then the cool-down",
     181: "LoRA under DDP: the adapters' buckets",
+    182: "Ulysses cp 2 over an eager core (SDPA's math fallback), full recompute",
     229: "activation-heavy, TP2+SP pure bf16 GELU, op-level SAC: the re-run's kept reduce-scatter outputs",
     237: "activation-heavy, TP4 pure bf16 GQA, V 256: the LM head's backward on narrow vocabulary shards",
     238: "activation-heavy, fp32 GQA through SDPA's math fallback, 1024 tokens",

@@ -520,7 +520,10 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         # Under selective recompute it is inside the checkpointed core. Source: SimuMax's model of TE's a2a path
         # (simumax/core/config.py `te_cp_a2a_save_pre_posta2a_min_version` = 2.8.0, core/transformer/
         # dense_module.py CoreAttention, e691807), which its B200 measurements bear out; TE's code was not read.
-        out["attn_output_pre_a2a"] = where(run.cp > 1, c * tok * heads * d_v, 0)
+        # DeepSpeed-Ulysses over an eager core (torch and deepspeed profiles): nothing saves the value matmul's
+        # output (measured by the harness: one c tok a/t d per layer over)
+        kept = not (eager and run.profile != "megatron")
+        out["attn_output_pre_a2a"] = where(run.cp > 1, c * tok * heads * d_v, 0) if kept else 0
     if fused_qkv and not eager:
         # lit-gpt's q and k come out of torch.cat head-major, so the flash output is head-major too and
         # `y.transpose(1, 2).reshape(B, T, C)` copies it: the o projection saves the copy (when it saves its input)
@@ -2008,7 +2011,15 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed
         # the MLP branch's backward ran first and left its input's gradient in the shared norm's input buffer,
         # where it waits for Q/K/V's (the norm output's dtype, that of the stream)
         moment = moment + _residual_grad_bytes(run)
-    # context parallelism exchanges K/V (ring) or Q/K/V (all-to-all) inside the core: not derived here
+    return _cp_core(run, moment)
+
+
+def _cp_core(run: Run, moment: Num) -> Num:
+    """An attention core's moment under context parallelism. DeepSpeed-Ulysses (a2a, torch and deepspeed profiles)
+    runs the core on the whole sequence with a/(t cp) heads: the bytes of a/t heads over s/cp tokens (`_shape`), so
+    the moment holds as derived. A ring's K/V exchange (p2p) or TE's a2a inside the core is not derived: `_NEVER`."""
+    if run.cp_comm == "a2a" and run.profile != "megatron":
+        return moment
     return where(run.cp > 1, _NEVER, moment)
 
 
@@ -2220,7 +2231,8 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
     c, tok, _, _ = _shape(run)
     heads, kv = m.heads // run.tp, m.kv_heads // run.tp
     scores = heads * tok * run.seq
-    s_loc = run.seq // run.cp
+    # the causal bias: over the whole sequence under Ulysses (a2a), a block's under a ring
+    s_loc = run.seq if run.cp_comm == "a2a" else run.seq // run.cp
     fused = run.training.qkv_impl == "fused"
     # under GQA the projections' K and V stay referenced by the attention's forward beside their repetitions
     originals = c * tok * m.head_dim * 2 * kv if (m.kv_heads < m.heads and not fused) else 0
@@ -2235,8 +2247,12 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
             # v projections' outputs; v is the V local itself (or, repeated under GQA, its original, `originals`),
             # and so is q but under rotary, which makes a new Q. Measured by the harness: the gate's and the down
             # projection's outputs and a second V counted before, +1.3% to +3.0% of eager toys' forward
+            # Under Ulysses (a2a) the core reads the exchanged Q and V, new tensors beside the kept outputs
+            # (measured by the harness: V's kept output, -0.26% of the forward without it)
+            a2a = where(run.cp > 1, 1, 0) if run.cp_comm == "a2a" else 0
             before = (terms.get("checkpoint_input", 0) + sum(plain.get(k, 0) for k in ("q", "k", "v"))
-                      + (terms.get("sac_q_output", 0) if m.positions == "rotary" else 0))
+                      + (terms.get("sac_q_output", 0) if m.positions == "rotary" else a2a * terms.get("sac_q_output", 0))
+                      + a2a * terms.get("sac_v_output", 0))
         before = before + _stream_bytes(run, c) * tok * m.hidden
         # q/k norms under AMP (`_fp32_core_inputs`): rotary's Q and K, and under GQA K's repetition, are fp32
         # locals, 4 - c bytes more per element than counted (the matmul's casts of them are freed with it, without
@@ -2339,7 +2355,7 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
         # dropout 0.1 (3 layers of h 512, 1024 tokens), 28 MiB of scores counted there that were gone
         after = (2 * c + 1 if run.dropout > 0 else c) * scores + c * s_loc * s_loc + head_out
         moment = imax(at_mask, after)
-    return where(run.cp > 1, _NEVER, before + moment)
+    return _cp_core(run, before + moment)
 
 
 def _fp32_core_inputs(run: Run) -> Num:
