@@ -536,6 +536,34 @@ def test_model_code_and_lora_dropout_in_the_planner_equal_estimate():
         assert peak_bytes(run) == bulk_peak
 
 
+def test_eager_fp32_norm_under_amp_in_the_planner_equal_estimate():
+    """--norm-impl fp32 under torch AMP: FSDP2 drops autocast where it shards (ZeRO-2/3 over more than one rank), so
+    the residual stream's width is an array in the planner's evaluation, and `plan` raised on an array's truth
+    value (`_stream_unsaved`, `_eager_norm_backward`; found by a random search over plan's inputs). Sampled
+    feasible layouts, with and without sharding: bulk peaks equal `estimate`'s."""
+    o = RunOptions(model="llama-3-8b", gpus=16, gpu="h100-sxm-80gb", global_batch=64, seq=4096, precision="bf16",
+                   norm_impl="fp32")
+    sampled = _sampled_feasible(o, seed=7, n=40)
+    assert {run.zero >= 2 for run, _ in sampled} == {True, False}
+    for run, bulk_peak in sampled:
+        assert peak_bytes(run) == bulk_peak
+
+
+def test_deepspeed_ring_attention_is_refused_up_front():
+    """DeepSpeed has no ring attention: `estimate` refuses --profile deepspeed --cp-comm p2p at cp > 1, so `plan`
+    says so before searching (the search returned cp > 1 layouts that `estimate` then rejected, which the CLI
+    reported only when one of them ranked among the plans); with --cp 1 it plans."""
+    with pytest.raises(InputError, match="no ring attention"):
+        search(Request(RunOptions(model="mistral-7b", gpus=8, global_batch=64, profile="deepspeed", cp_comm="p2p")))
+    flags = ("plan", "--model", "mistral-7b", "--gpus", "8", "--global-batch", "64", "--profile", "deepspeed",
+             "--cp-comm", "p2p")
+    code, _, err = cli(*flags)
+    assert code == 2 and "no ring attention" in err and len(err.strip().splitlines()) == 1
+    code, out, err = cli(*flags, "--cp", "1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["plans"] and all(p["layout"]["cp"] == 1 for p in json.loads(out)["plans"])
+
+
 def _sampled_feasible(o: RunOptions, seed: int, n: int = 25) -> list[tuple[Any, int]]:
     """Up to n of the bulk search's feasible layouts for `o`, each as (its run rebuilt through `estimate`'s
     rules, the bulk search's peak bytes)."""

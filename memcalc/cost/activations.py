@@ -934,7 +934,8 @@ def _eager_norm_backward(run: Run, merged: bool) -> Num:
     stream = _stream_bytes(run, c)
     _, normalized = _norm_saved(run, c, tok_sp, stats)
     weight_mul = (3 if normalized is not None else 2) * stream * e
-    square = 20 * e - (normalized or 0) - stats - (where(stream == 4, 4 * e, 0) if merged else 0)
+    kept = normalized if normalized is not None else 0
+    square = 20 * e - kept - stats - (where(stream == 4, 4 * e, 0) if merged else 0)
     return imax(weight_mul, square)
 
 
@@ -1655,10 +1656,11 @@ def _stream_unsaved(run: Run) -> Num:
     held-graph QLoRA row, whose peak is this moment)."""
     c = DTYPE_BYTES[run.recipe.compute_dtype]
     stream = _stream_bytes(run, c)
-    if run.training.norm_impl != "fp32" or run.model.norm != "rmsnorm" or stream == 4:
+    if run.training.norm_impl != "fp32" or run.model.norm != "rmsnorm":
         return 0
     n = 2 if run.model.block == "sequential" else 1
-    return n * stream * _shape(run)[2] * run.model.hidden
+    # (the stream's width is an array in plan's bulk evaluation: FSDP2 drops autocast where it shards)
+    return where(stream == 4, 0, n * stream * _shape(run)[2] * run.model.hidden)
 
 
 def _mlp_forward_extra(run: Run) -> Num:

@@ -283,6 +283,10 @@ def search(req: Request, progress: Progress | None = None, keep_closest: int = 3
     o = check_request(req)
     base = build_run(base_options(o))
     m, hw = base.model, base.hardware
+    if base.profile == "deepspeed" and base.cp_comm == "p2p" and (req.bounds.cp is None or max(req.bounds.cp) > 1):
+        # resolve() refuses it at cp > 1, so the search would return layouts `estimate` rejects
+        raise InputError("--cp-comm p2p: DeepSpeed's sequence parallelism is DeepSpeed-Ulysses (all-to-all), it has "
+                         "no ring attention; with --profile deepspeed valid: --cp-comm a2a, or --cp 1")
     if o.ep > 1 and (m.moe is None or m.moe.experts % o.ep):
         build_run(dataclasses.replace(base_options(o), ep=o.ep, dp=o.ep))  # raises resolve()'s one-line error
     gpus = divisors(o.gpus) if req.objective == "gpus" else [o.gpus]
