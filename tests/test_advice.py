@@ -41,6 +41,11 @@ CASES = [
      "--zero", "2", "--recompute", "selective", "--recompute-layers", "4"),
     # Gemma 2 on Hugging Face's eager attention (which its softcapped scores need without flash-attn >= 2.6)
     ("--model", "gemma-2-9b", "--attention", "eager", "--gpus", "8", "--zero", "3"),
+    # Mixtral with ep 8 on 8 GPUs: halving dp for tp 2 or pp 2 leaves ep 8 over dp*cp = 4, a layout resolve()
+    # refuses; the candidate's time model divided by an empty expert group and `estimate` raised
+    # ZeroDivisionError (found by a random search over estimate's inputs). On 16 GPUs tp 2 keeps dp 8: suggested
+    ("--model", "mixtral-8x7b", "--gpus", "8", "--ep", "8"),
+    ("--model", "mixtral-8x7b", "--gpus", "16", "--ep", "8", "--zero", "3"),
 ]
 
 

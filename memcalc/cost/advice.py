@@ -81,7 +81,9 @@ def _candidates(run: Run) -> Iterator[Change]:
     m = run.model
     tp2 = run.tp * 2
     a2a_ok = run.cp_comm != "a2a" or (m.heads % tp2 == 0 and a2a_cp_limit(m, tp2) % run.cp == 0)
-    if (m.heads % tp2 == 0 and m.kv_heads % tp2 == 0 and tp2 <= run.hardware.gpus_per_node and run.dp % 2 == 0
+    # halving dp keeps a valid layout only where ep still divides dp*cp (resolve()'s rule for expert parallelism)
+    halve_dp = run.dp % 2 == 0 and (run.dp // 2 * run.cp) % run.ep == 0
+    if (m.heads % tp2 == 0 and m.kv_heads % tp2 == 0 and tp2 <= run.hardware.gpus_per_node and halve_dp
             and a2a_ok):
         # with SP where the profile has it. The flag is stated either way: at tp 1 the run's own --sp/--no-sp
         # is moot (resolve() keeps sp only with tp > 1), but it would decide the re-run of these flags
@@ -101,7 +103,7 @@ def _candidates(run: Run) -> Iterator[Change]:
         yield ("4-bit NF4 base (QLoRA)", "--base-dtype nf4",
                lambda r: r.replace(training=r.training.model_copy(update={"base_dtype": "nf4"})))
     pp2 = run.pp * 2
-    if pp2 <= m.layers and run.dp % 2 == 0 and run.vpp == 1:
+    if pp2 <= m.layers and halve_dp and run.vpp == 1:
         yield (f"pipeline parallel {pp2}", f"--pp {pp2}" + _accum(run, 2),
                lambda r: r.replace(pp=pp2, dp=r.dp // 2, grad_accum=r.grad_accum * 2))
     if t.allocator == "default":
