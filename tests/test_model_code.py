@@ -7,6 +7,8 @@ seq 1304, micro-batch 1: tok = 1304."""
 
 from __future__ import annotations
 
+import pytest
+
 from memcalc.cost.activations import first_stage_terms, layer_terms
 from memcalc.cost.params import lora_layer_params
 from tests.conftest import cli, run_of
@@ -60,6 +62,25 @@ def test_fused_qkv_under_gqa_expands_k_and_v():
     fused = layer_terms(run_of(model="llama-3.1-8b", precision="bf16", seq=1024, qkv_impl="fused"))
     assert sep["k"] == 2 * 1024 * 8 * 128 and fused["k"] == fused["v"] == 2 * 1024 * 32 * 128
     assert "qkv_fused_buffer" not in fused
+
+
+@pytest.mark.parametrize("impl", ["fused", "expand"])
+def test_one_kv_head_per_rank_is_not_copied(impl):
+    """MQA (Falcon-7B: 71 heads, 1 KV head, d = 64), and GQA under tp = KV heads: flattening the expansion of one
+    KV head merges a one-long dim with the repeat's zero stride, a view, so SDPA saves the one-head K and V
+    (measured by the harness: 2 c tok (a/t - 1) d per layer over with copies counted). lit-gpt's fused QKV: rotary
+    makes K a new all-head tensor from the broadcast view, and V, a view, keeps the fused buffer alive."""
+    flags = dict(precision="bf16", seq=1024, **({"qkv_impl": "fused"} if impl == "fused" else {"gqa_impl": "expand"}))
+    t = layer_terms(run_of(model="falcon-7b", **flags))
+    assert t["v"] == 2 * 1024 * 1 * 64
+    if impl == "fused":
+        assert t["k"] == 2 * 1024 * 71 * 64 and t["qkv_fused_buffer"] == 2 * 1024 * (71 + 1) * 64
+    else:
+        assert t["k"] == t["v"] and "qkv_fused_buffer" not in t
+    # Llama-3.1-8B's 8 KV heads over tp 8: one per rank (4 query heads), no copies; over tp 4 (2 per rank) copied
+    tp8 = layer_terms(run_of(model="llama-3.1-8b", gpus=8, tp=8, **flags))
+    tp4 = layer_terms(run_of(model="llama-3.1-8b", gpus=4, tp=4, **flags))
+    assert tp8["v"] == 2 * 1024 * 1 * 128 and tp4["v"] == 2 * 1024 * 8 * 128
 
 
 def test_lora_dropout_copies_and_masks():

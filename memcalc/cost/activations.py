@@ -296,10 +296,23 @@ def _qkv_terms(run: Run, out: dict[str, Num], fused_qkv: bool, gqa: bool, eager:
     kv_saved = heads if expand else kv
     out["k"] = c * tok * kv_saved * d
     out["v"] = c * tok * kv_saved * d
+    one_kv = 0
+    if gqa and not eager and expand:
+        # one KV head per rank (MQA, or GQA under tp = KV heads): flattening its expansion merges a one-long dim
+        # with the repeat's zero stride, a view, so SDPA saves the one-head K/V, not a copy (torch's view rules;
+        # measured by the harness: 2 c tok (a/t - 1) d per layer over with the copies counted). Rotary makes
+        # lit-gpt's K a new all-head tensor all the same (`q * cos` of the broadcast view)
+        one_kv = where(kv == 1, 1, 0)
+        out["v"] = c * tok * d * where(kv == 1, kv, heads)
+        if not fused_qkv or m.positions != "rotary":
+            out["k"] = out["v"]
     if fused_qkv and not gqa:
         # lit-gpt: q, k, v are views of the fused projection's output; rotary (torch.cat) makes q and k new
         # tensors, but V stays a view, so the attention's saved V keeps the whole (q|k|v) buffer alive
         out["qkv_fused_buffer"] = c * tok * (heads + kv) * d
+    elif fused_qkv and not (isinstance(kv, int) and kv > 1):
+        # (the same with one KV head per rank: V, a view of the buffer)
+        out["qkv_fused_buffer"] = one_kv * c * tok * (heads + kv) * d
 
 
 def _latent_norm(run: Run, c: int, tok: Num, w: int, whole: int | None = None) -> Num:
