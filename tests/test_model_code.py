@@ -53,6 +53,9 @@ def test_fused_qkv_keeps_the_whole_projection_through_v():
     assert fused["q"] == sep["q"] and fused["k"] == sep["k"] and fused["v"] == sep["v"]
     # the o projection trains: it saves the head-major -> token-major copy of the flash output
     assert fused["attn_output_copy"] == 2 * TOK * H
+    # under selective recompute the kernel's own output (SDPA's saved one) is inside the checkpoint: the copy only
+    sel = layer_terms(run_of(qkv_impl="fused", recompute="selective", **BF16), "selective")
+    assert sel["attn_output"] == 0 and sel["attn_output_copy"] == 2 * TOK * H
 
 
 def test_fused_qkv_under_gqa_expands_k_and_v():

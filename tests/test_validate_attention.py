@@ -296,3 +296,19 @@ def test_one_kv_head_per_rank_through_sdpa(flags):
     for r in rep["rows"]:
         if r["section"] == "phases":
             assert abs(r["predicted"] - r["measured"]) <= 2048, (r["name"], r["predicted"], r["measured"])
+
+
+@pytest.mark.parametrize("flags", [
+    dict(MQA, hidden=128, heads=4, kv_heads=2, precision="fp32", recompute="selective", micro_batch=2, norm="layernorm",
+         qkv_impl="fused"),
+    dict(MQA, heads=8, kv_heads=8, seq=512, recompute="selective", qkv_impl="fused", loss="chunked", gpus=4, zero=3,
+         optimizer="adamw"),
+], ids=["gqa-fp32-mb2", "mha-amp-fsdp2"])
+def test_fused_qkv_under_selective_recompute_keeps_only_the_output_copy(flags):
+    """lit-gpt's fused QKV under selective recompute: the o projection saves the token-major copy of the flash
+    output, and the kernel's own output, which SDPA saves, is inside the checkpointed core (`attn_output` 0):
+    +3.2% / +3.3% with both counted; within 10 KB now."""
+    rep = validate(build_run(RunOptions(**flags)), device="meta", world="fake", tolerance=0.02, timeout=120)
+    for r in rep["rows"]:
+        if r["section"] == "phases":
+            assert abs(r["predicted"] - r["measured"]) <= 10_240, (r["name"], r["predicted"], r["measured"])

@@ -541,6 +541,10 @@ def layer_terms(run: Run, recompute: str = "none", paper_terms: bool = False) ->
         # lit-gpt's q and k come out of torch.cat head-major, so the flash output is head-major too and
         # `y.transpose(1, 2).reshape(B, T, C)` copies it: the o projection saves the copy (when it saves its input)
         out["attn_output_copy"] = c * tok * heads * d_v
+        if recompute == "selective":
+            # the kernel's own output, which SDPA saves, is inside the checkpointed core: only the copy is kept
+            # (measured by the harness: one c tok a/t d per layer over with both counted)
+            out["attn_output"] = 0
     if dropout:
         out["attn_residual_dropout_mask"] = tok_sp * h  # 1 byte per element (Korthikanti: sbh)
     if m.post_norms:
