@@ -1761,7 +1761,7 @@ def _recomputed_down_matmul(run: Run) -> Num:
 
 def _recomputed_plain_end(run: Run) -> Num:
     """A checkpointed dense layer's re-run forward (non-reentrant `torch.utils.checkpoint`, full or op-level, torch
-    profile, no LoRA, no dropout, tp 1 or SP), beyond the recomputed saved set: the re-run stops as the down (or
+    profile, no LoRA; without dropout tp 1 or SP), beyond the recomputed saved set: the re-run stops as the down (or
     proj) projection saves its input (and, under autocast, its weight's cast). Live besides: the incoming gradient
     of the residual stream, an unsaved attention half's sum (`_stream_unsaved`) and, under autocast, the MLP's
     argument, the norm's fp32 output, which no matmul saves (each saves its own cast: `_mlp_forward_extra`), and the
@@ -1771,13 +1771,25 @@ def _recomputed_plain_end(run: Run) -> Num:
     toy's backward without it). Under SP also the norm output's shard, which the layer's call holds beside its
     all-gather, and the output gradient's all-gather (`_sp_grad_gather`, before the re-run) in place of the
     compute-dtype shard (AMP over TP 4: -2.2% of a toy's backward without them, tests/test_validate_op_sac.py).
-    `_NEVER` elsewhere (TP without SP: not measured)."""
+    With dropout it runs on to the output dropout's mask (below). `_NEVER` elsewhere (TP without SP and without
+    dropout: not measured)."""
     m = run.model
-    if run.profile != "torch" or m.moe is not None or run.training.lora_rank is not None or run.dropout > 0:
+    if run.profile != "torch" or m.moe is not None or run.training.lora_rank is not None:
         return _NEVER
     c, _, tok_sp, tok_in = _shape(run)
     half_sum = _stream_unsaved(run) // 2 if m.block == "sequential" else 0
     end = _residual_grad_bytes(run) + half_sum + _autocast(run) * (4 * tok_in * m.hidden + c * tok_sp * m.hidden)
+    if run.dropout > 0:
+        # with dropout the re-run starts at the output dropout's backward (which unpacks its mask), before any
+        # collective of the output gradient, and runs on through the down projection to that mask: at tp 1 its
+        # output beside the dropout's output and mask; under SP the projection's full-sequence partial output, the
+        # reduce-scatter's concatenated input and sharded output, with the norm output's shard held and the mask
+        # not made yet. Measured by the harness op by op: -0.7% (fp32), -7.9% (AMP), -2.0% (pure bf16) of a toy's
+        # backward without it; TP 2 + SP -2.6% / -12.5% (fp32 / AMP); TP 2 -2.9% / -7.6% / -5.3%
+        sp_drop = (end + _stream_bytes(run, c) * tok_sp * m.hidden + 2 * c * tok_in * m.hidden
+                   + c * tok_sp * m.hidden - tok_sp * m.hidden)
+        # (TP without SP: the all-reduce's output in place of the projection's partial one, which it frees)
+        return where((run.tp > 1) & run.sp, sp_drop, end + 2 * c * tok_sp * m.hidden)
     if run.sp:
         # under SP the MLP's argument is the all-gather of the norm's output, whose shard the layer's call holds, and
         # the output gradient is all-gathered before the re-run (`_sp_grad_gather`): that full-sequence copy in
@@ -1950,6 +1962,14 @@ def _input_projection_wgrad(run: Run, terms: dict[str, Num], tokens: Num, f_t: N
     amp = where((_autocast(run) == 1) & (held >= 1) & (run.pp == 1), moment, _NEVER)
     k = 2 if m.mlp == "swiglu" else 1
     plain = (1 if later else k) * g * hf + k * c * tokens * m.hidden - (2 * k - 1) * c * tokens * f_t
+    if m.mlp == "swiglu":
+        # under TP without SP, before silu's backward: up's input gradient at its own all-reduce (each column-parallel
+        # projection's input is its own Replicate tensor), beside the all-reduce's output, with up's weight gradient
+        # made (a first backward's `.grad`; a later micro-batch's is added to `.grad` and freed by then) and the
+        # product's two operands freed: g h f/t + 2 c tok h - 2 c tok f/t, the higher where tok > h. Measured by
+        # the harness op by op: TP 2, full recompute, 512 tokens at h 256: -1.07% of the backward without it
+        up_all_reduce = (0 if later else 1) * g * hf + 2 * c * tokens * m.hidden - 2 * c * tokens * f_t
+        plain = imax(plain, where((run.tp > 1) & (not run.sp), up_all_reduce, _NEVER))
     return where((_autocast(run) == 0) & (fsdp_sharded(run) == 0), plain, amp)
 
 
