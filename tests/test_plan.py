@@ -564,6 +564,17 @@ def test_deepspeed_ring_attention_is_refused_up_front():
     assert json.loads(out)["plans"] and all(p["layout"]["cp"] == 1 for p in json.loads(out)["plans"])
 
 
+def test_op_level_recompute_with_adapters_is_refused_before_the_search():
+    """`estimate` refuses --recompute op with LoRA or a fused QKV (not modelled: specs.check_op_recompute); `plan`
+    asked to search it says the same before searching, and without op in the bounds plans LoRA as before."""
+    code, _, err = cli("plan", "--model", "llama-3-8b", "--gpus", "8", "--global-batch", "32", "--lora-rank", "8",
+                       "--recompute", "op,full")
+    assert code == 2 and "--recompute op with --lora-rank" in err and len(err.strip().splitlines()) == 1
+    code, _, err = cli("plan", "--model", "llama-3-8b", "--gpus", "8", "--global-batch", "32", "--lora-rank", "8",
+                       "--recompute", "full")
+    assert code == 0, err
+
+
 def _sampled_feasible(o: RunOptions, seed: int, n: int = 25) -> list[tuple[Any, int]]:
     """Up to n of the bulk search's feasible layouts for `o`, each as (its run rebuilt through `estimate`'s
     rules, the bulk search's peak bytes)."""

@@ -42,7 +42,7 @@ from memcalc.cost.timeline import stage_memory
 from memcalc.errors import InputError
 from memcalc.options import RunOptions, build_run
 from memcalc.plan.space import RULES, Bounds, Combo, Space, divisors, enumerate_space
-from memcalc.specs import Run
+from memcalc.specs import Run, check_op_recompute
 
 PLAN_SCHEMA_VERSION = "1.4"
 OBJECTIVES: tuple[str, ...] = ("throughput", "memory", "gpus")
@@ -283,6 +283,8 @@ def search(req: Request, progress: Progress | None = None, keep_closest: int = 3
     o = check_request(req)
     base = build_run(base_options(o))
     m, hw = base.model, base.hardware
+    if req.bounds.recompute is not None and "op" in req.bounds.recompute:
+        check_op_recompute(base.training.lora_rank, base.training.qkv_impl)
     if base.profile == "deepspeed" and base.cp_comm == "p2p" and (req.bounds.cp is None or max(req.bounds.cp) > 1):
         # resolve() refuses it at cp > 1, so the search would return layouts `estimate` rejects
         raise InputError("--cp-comm p2p: DeepSpeed's sequence parallelism is DeepSpeed-Ulysses (all-to-all), it has "
