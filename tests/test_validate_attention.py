@@ -312,3 +312,27 @@ def test_fused_qkv_under_selective_recompute_keeps_only_the_output_copy(flags):
     for r in rep["rows"]:
         if r["section"] == "phases":
             assert abs(r["predicted"] - r["measured"]) <= 10_240, (r["name"], r["predicted"], r["measured"])
+
+
+SEL = dict(layers=3, hidden=256, heads=4, kv_heads=2, ffn=176, vocab=512, seq=128, precision="fp32",
+           recompute="selective", optimizer="sgd")
+
+
+@pytest.mark.parametrize("flags", [
+    dict(SEL),  # +0.59% before
+    dict(SEL, dropout=0.1),  # +1.15%
+    dict(SEL, attention="eager"),  # +1.20%
+    dict(SEL, micro_batch=2),  # -0.44% (the re-run's own moment, scaled Q beside the matmul's copy)
+    dict(SEL, seq=512),  # exact before and after: the softmax backward's moment, V's gradient live
+], ids=["math", "math-dropout", "eager-gqa", "math-mb2", "math-512"])
+def test_selective_re_run_of_an_eager_core(flags):
+    """A selectively recomputed eager core (HF eager, SDPA's math path) comes back for its backward: the re-run
+    stops before the value matmul computes (torch.utils.checkpoint's early stop: the matmul packs its inputs
+    first), so no core output is left referenced, while V's gradient is live beside softmax's backward; and the
+    re-run's own mask add (two score tensors, the bias, the math path's K repetition and, with more than one
+    sequence, its scaled Q beside the matmul's copy) is a moment of its own (`attention_backward`, recomputed).
+    Each phase within 8 KB of the harness (the loss's own few KB)."""
+    rep = validate(build_run(RunOptions(**flags)), device="meta", world="fake", tolerance=0.02, timeout=120)
+    for r in rep["rows"]:
+        if r["section"] == "phases":
+            assert abs(r["predicted"] - r["measured"]) <= 8192, (r["name"], r["predicted"], r["measured"])

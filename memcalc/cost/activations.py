@@ -2035,10 +2035,24 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed
         core_but_softmax = sum(terms.get(k, 0) for k in _CORE if k not in ("attn_softmax", "attn_softcap_tanh"))
         at_matmul = d_o + terms["v"] + c * scores - after
         at_softmax = 8 * scores - after - core_but_softmax + softmax_backward_scratch(run)
-        if recomputed and m.kv_heads < m.heads:
-            # the re-run value matmul's saved V repetition (which the caller adds) is freed by its backward
-            at_softmax = at_softmax - terms["v"]
+        if recomputed:
+            # the value matmul's V gradient (V's size, its repetition's under GQA) is live beside softmax's backward;
+            # under GQA the re-run's saved V repetition (which the caller adds) is freed by then
+            at_softmax = at_softmax + terms["v"] - (terms["v"] if m.kv_heads < m.heads else 0)
         moment = imax(at_matmul, at_softmax)
+        if recomputed:
+            # the re-run itself (with grad) at its mask add, before the core's saved tensors exist: two score tensors
+            # and the causal bias beside dO; SDPA's math path also holds K's repetition, its local, beside the
+            # scaled K^T it saves, and with more than one sequence its scaled Q beside the matmul's copy of it
+            # (`_qk_copied`). Measured by the harness: fp32 GQA at 128 tokens, -0.6% (mb 2: -2.1%) of the
+            # backward without it
+            s_loc = run.seq if run.cp_comm == "a2a" else run.seq // run.cp
+            head_bytes = c * tok * (m.heads // run.tp) * m.head_dim
+            k_local = (head_bytes * (1 if m.kv_heads < m.heads else 0) + head_bytes * _qk_copied(run)
+                       if _math_path(run) else 0)
+            rerun = (d_o - after - sum(terms.get(k, 0) for k in _CORE) + 2 * c * scores + c * s_loc * s_loc
+                     + k_local)
+            moment = imax(moment, rerun)
         if run.dropout > 0:
             # fp32 probabilities (`_fp32_core_inputs`): the value matmul's gradient of its compute-dtype cast is
             # upcast (4 S) and dropout's backward makes its fp32 gradient (4 S) while the mask and the softmax
@@ -3382,7 +3396,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             q_copied = where(_math_scaled_q(run) > 0, 1, _qk_copied(run))
             copies = q_copied * plain["q"] + _qk_copied(run) * (0 if gqa else plain["k"]) + (
                 plain["k"] + plain["v"] if gqa else 0)
-            back = sum(plain.get(k, 0) for k in _CORE) + copies + plain["attn_output"]
+            back = sum(plain.get(k, 0) for k in _CORE) + copies
             attn_bwd = where(plain_layers >= 1, attn_bwd, base_bwd + own_pair + _residual_grad_bytes(run) + back + rec)
     # the MLP norm's backward (an eager fp32 RMSNorm's), with the core's gradients less the output projection's on a
     # first backward
