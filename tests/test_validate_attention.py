@@ -324,7 +324,10 @@ SEL = dict(layers=3, hidden=256, heads=4, kv_heads=2, ffn=176, vocab=512, seq=12
     dict(SEL, attention="eager"),  # +1.20%
     dict(SEL, micro_batch=2),  # -0.44% (the re-run's own moment, scaled Q beside the matmul's copy)
     dict(SEL, seq=512),  # exact before and after: the softmax backward's moment, V's gradient live
-], ids=["math", "math-dropout", "eager-gqa", "math-mb2", "math-512"])
+    # lit-gpt's fused QKV expands K and V before the core: the re-run repeats nothing (`_core_repeats_kv`)
+    dict(SEL, attention="eager", qkv_impl="fused", layers=4, seq=256, vocab=1000),  # +1.14%
+    dict(SEL, attention="eager", qkv_impl="fused", layers=4, seq=256, vocab=1000, precision="bf16"),  # +0.47%
+], ids=["math", "math-dropout", "eager-gqa", "math-mb2", "math-512", "eager-fused-gqa", "eager-fused-gqa-amp"])
 def test_selective_re_run_of_an_eager_core(flags):
     """A selectively recomputed eager core (HF eager, SDPA's math path) comes back for its backward: the re-run
     stops before the value matmul computes (torch.utils.checkpoint's early stop: the matmul packs its inputs

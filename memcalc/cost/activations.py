@@ -2038,7 +2038,7 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed
         if recomputed:
             # the value matmul's V gradient (V's size, its repetition's under GQA) is live beside softmax's backward;
             # under GQA the re-run's saved V repetition (which the caller adds) is freed by then
-            at_softmax = at_softmax + terms["v"] - (terms["v"] if m.kv_heads < m.heads else 0)
+            at_softmax = at_softmax + terms["v"] - (terms["v"] if _core_repeats_kv(run) else 0)
         moment = imax(at_matmul, at_softmax)
         if recomputed:
             # the re-run itself (with grad) at its mask add, before the core's saved tensors exist: two score tensors
@@ -2065,6 +2065,13 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed
         # where it waits for Q/K/V's (the norm output's dtype, that of the stream)
         moment = moment + _residual_grad_bytes(run)
     return _cp_core(run, moment)
+
+
+def _core_repeats_kv(run: Run) -> bool:
+    """Whether an eager core repeats K and V to every query head itself (HF `repeat_kv`, SDPA's math fallback):
+    GQA with K and V not expanded before it (lit-gpt's fused QKV and --gqa-impl expand expand them first)."""
+    t = run.training
+    return run.model.kv_heads < run.model.heads and t.qkv_impl != "fused" and t.gqa_impl != "expand"
 
 
 def _cp_core(run: Run, moment: Num) -> Num:
@@ -3392,10 +3399,11 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             # the value matmul's backward, before the softmax's, `attention_backward`), and its output, which the
             # recomputation leaves referenced
             gqa = m.kv_heads < m.heads
-            # (SDPA's math fallback saves its scaled Q, always a new tensor: `_math_scaled_q`)
+            # (SDPA's math fallback saves its scaled Q, always a new tensor: `_math_scaled_q`; K and V expanded
+            # before the core, lit-gpt's fused QKV or --gqa-impl expand, are repeated by nothing in the re-run)
             q_copied = where(_math_scaled_q(run) > 0, 1, _qk_copied(run))
             copies = q_copied * plain["q"] + _qk_copied(run) * (0 if gqa else plain["k"]) + (
-                plain["k"] + plain["v"] if gqa else 0)
+                plain["k"] + plain["v"] if _core_repeats_kv(run) else 0)
             back = sum(plain.get(k, 0) for k in _CORE) + copies
             attn_bwd = where(plain_layers >= 1, attn_bwd, base_bwd + own_pair + _residual_grad_bytes(run) + back + rec)
     # the MLP norm's backward (an eager fp32 RMSNorm's), with the core's gradients less the output projection's on a
