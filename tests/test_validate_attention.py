@@ -327,7 +327,10 @@ SEL = dict(layers=3, hidden=256, heads=4, kv_heads=2, ffn=176, vocab=512, seq=12
     # lit-gpt's fused QKV expands K and V before the core: the re-run repeats nothing (`_core_repeats_kv`)
     dict(SEL, attention="eager", qkv_impl="fused", layers=4, seq=256, vocab=1000),  # +1.14%
     dict(SEL, attention="eager", qkv_impl="fused", layers=4, seq=256, vocab=1000, precision="bf16"),  # +0.47%
-], ids=["math", "math-dropout", "eager-gqa", "math-mb2", "math-512", "eager-fused-gqa", "eager-fused-gqa-amp"])
+    # MHA over two sequences: the value matmul's copy of V made (and packed) before the re-run stops
+    dict(SEL, attention="eager", heads=8, kv_heads=8, seq=64, vocab=256, micro_batch=2, dropout=0.1),  # -1.11%
+], ids=["math", "math-dropout", "eager-gqa", "math-mb2", "math-512", "eager-fused-gqa", "eager-fused-gqa-amp",
+        "eager-mha-mb2-dropout"])
 def test_selective_re_run_of_an_eager_core(flags):
     """A selectively recomputed eager core (HF eager, SDPA's math path) comes back for its backward: the re-run
     stops before the value matmul computes (torch.utils.checkpoint's early stop: the matmul packs its inputs

@@ -2038,7 +2038,9 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed
         if recomputed:
             # the value matmul's V gradient (V's size, its repetition's under GQA) is live beside softmax's backward;
             # under GQA the re-run's saved V repetition (which the caller adds) is freed by then
-            at_softmax = at_softmax + terms["v"] - (terms["v"] if _core_repeats_kv(run) else 0)
+            # (MHA: the value matmul's copy of V, with more than one sequence, the same: `_qk_copied`)
+            v_copy = _qk_copied(run) * terms["v"] if m.kv_heads == m.heads else 0
+            at_softmax = at_softmax + terms["v"] - (terms["v"] if _core_repeats_kv(run) else 0) - v_copy
         moment = imax(at_matmul, at_softmax)
         if recomputed:
             # the re-run itself (with grad) at its mask add, before the core's saved tensors exist: two score tensors
@@ -2051,7 +2053,7 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed
             k_local = (head_bytes * (1 if m.kv_heads < m.heads else 0) + head_bytes * _qk_copied(run)
                        if _math_path(run) else 0)
             rerun = (d_o - after - sum(terms.get(k, 0) for k in _CORE) + 2 * c * scores + c * s_loc * s_loc
-                     + k_local)
+                     + k_local - v_copy)
             moment = imax(moment, rerun)
         if run.dropout > 0:
             # fp32 probabilities (`_fp32_core_inputs`): the value matmul's gradient of its compute-dtype cast is
@@ -3402,7 +3404,7 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
             # (SDPA's math fallback saves its scaled Q, always a new tensor: `_math_scaled_q`; K and V expanded
             # before the core, lit-gpt's fused QKV or --gqa-impl expand, are repeated by nothing in the re-run)
             q_copied = where(_math_scaled_q(run) > 0, 1, _qk_copied(run))
-            copies = q_copied * plain["q"] + _qk_copied(run) * (0 if gqa else plain["k"]) + (
+            copies = q_copied * plain["q"] + _qk_copied(run) * (0 if gqa else plain["k"] + plain["v"]) + (
                 plain["k"] + plain["v"] if _core_repeats_kv(run) else 0)
             back = sum(plain.get(k, 0) for k in _CORE) + copies
             attn_bwd = where(plain_layers >= 1, attn_bwd, base_bwd + own_pair + _residual_grad_bytes(run) + back + rec)
