@@ -2206,16 +2206,17 @@ def _op_sac_pending(run: Run) -> tuple[Num, Num]:
     return pending + terms.get("sac_fc_output", 0), pending
 
 
-def _checkpointed_attention_locals(run: Run, terms: dict[str, Num]) -> tuple[Num, Num, Num] | None:
+def _checkpointed_attention_locals(run: Run, terms: dict[str, Num], fused: bool = False
+                                   ) -> tuple[Num, Num, Num] | None:
     """A checkpointed layer's attention in forward (nothing saved but the kept set `terms`): (what it holds
     throughout beyond what is held when the layer starts, one of Q, K, V's bytes each): the checkpoint's input (or
     under op-level SAC the kept outputs made by then, which are the projections' q and v themselves), the norm output
     in the stream's dtype (under SP its shard too, held by the layer's call, beside the all-gather); Q and K/V
-    `c tok a d / t` and `c tok g d / t`. None where not modelled: no rotary, fused QKV, q/k norms, MLA, MoE, parallel
-    blocks, other profiles (and context parallelism: the callers' `_NEVER`)."""
+    `c tok a d / t` and `c tok g d / t`. None where not modelled: no rotary, q/k norms, MLA, MoE, parallel blocks,
+    other profiles (and context parallelism: the callers' `_NEVER`); fused QKV: `fused=True` callers only, MHA."""
     m = run.model
-    if (run.profile != "torch" or m.positions != "rotary" or run.training.qkv_impl == "fused" or m.qk_norm
-            or m.mla is not None or m.moe is not None or m.block != "sequential"):
+    if (run.profile != "torch" or m.positions != "rotary" or (run.training.qkv_impl == "fused" and not fused)
+            or m.qk_norm or m.mla is not None or m.moe is not None or m.block != "sequential"):
         return None
     c, tok, tok_sp, _ = _shape(run)
     stream = _stream_bytes(run, c)
@@ -2233,11 +2234,28 @@ def checkpointed_rotary_forward(run: Run, terms: dict[str, Num]) -> Num:
     `held + c tok (a + 2g) d / t + 3 c tok a d / t`. K's rotary after it is no higher (g <= a). The attention half's
     highest moment where the MLP is narrow or the stream wide: a fully recomputed fp32 layer at f = 1.375 h peaked
     there (the forward -0.9% to -1.3% without it). `_NEVER` where not modelled."""
+    if run.training.qkv_impl == "fused":
+        return _fused_rotary_forward(run, terms)
     loc = _checkpointed_attention_locals(run, terms)
     if loc is None:
         return _NEVER
     held, q, kv = loc
     return where(run.cp > 1, _NEVER, held + q + 2 * kv + 3 * q)
+
+
+def _fused_rotary_forward(run: Run, terms: dict[str, Num]) -> Num:
+    """`checkpointed_rotary_forward` for lit-gpt's fused QKV (MHA): q, k and v are views of the projection's one
+    output, which V keeps whole (q + 2 kv); Q's rotary makes three Q-sized tensors, then K's three beside the
+    rotated Q, then both are made contiguous (head-major) beside the rotated ones: the highest of `3q`, `q + 3kv`,
+    `2q + 2kv` beyond the buffer and the locals. Measured by the harness: a fully recomputed fp32 MHA layer's forward
+    peaked at K's rotary (-3.8% / -6.2% of the forward at 1 / 2 x 128 tokens without it). `_NEVER` under GQA (lit-gpt
+    expands K and V into copies there), where not modelled."""
+    loc = _checkpointed_attention_locals(run, terms, fused=True)
+    if loc is None or run.model.kv_heads != run.model.heads:
+        return _NEVER
+    held, q, kv = loc
+    buffer = q + 2 * kv
+    return where(run.cp > 1, _NEVER, held + buffer + imax(imax(3 * q, q + 3 * kv), 2 * q + 2 * kv))
 
 
 def checkpointed_o_forward(run: Run, terms: dict[str, Num]) -> Num:
