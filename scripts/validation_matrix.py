@@ -589,6 +589,30 @@ def configurations() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str
     add("Ulysses cp 2, bf16 AMP eager attention + dropout 0.1", dict(U, precision="bf16", gpus=2, cp=2,
                                                                    attention="eager", dropout=0.1))
     add("Ulysses cp 2, fp32 GQA (SDPA math), op-level SAC", dict(U, precision="fp32", gpus=2, cp=2, recompute="op"))
+    # moments found by a random search over validate's inputs (2026-11-29), each 0.5-12% off before
+    # (tests/test_validate_attention.py, test_validate_mlp_backward.py)
+    add("MQA, torchtune's expanded K/V: one KV head is a view, not a copy",
+        dict(layers=3, hidden=128, heads=8, kv_heads=1, ffn=256, vocab=1000, seq=128, precision="bf16",
+             optimizer="sgd", gqa_impl="expand"))
+    add("lit-gpt fused QKV, GQA, selective recompute, 2 sequences: the o projection's copy alone",
+        dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn=176, vocab=256, seq=128, precision="fp32",
+             recompute="selective", micro_batch=2, qkv_impl="fused"), {"norm": "layernorm"})
+    RR = dict(layers=2, hidden=256, heads=4, kv_heads=2, ffn=176, vocab=256, seq=256, micro_batch=2, optimizer="sgd",
+              recompute="full")
+    add("bf16 AMP, full recompute, dropout 0.1: the re-run on through the output dropout", dict(RR, precision="bf16",
+                                                                                            dropout=0.1))
+    add("TP2+SP bf16 AMP, full recompute, dropout 0.1: the re-run's reduce-scatter", dict(
+        RR, precision="bf16", dropout=0.1, gpus=2, tp=2, sp=True))
+    add("TP2 fp32, full recompute, 512 tokens over h 256: SwiGLU up's input-gradient all-reduce", dict(
+        RR, precision="fp32", gpus=2, tp=2))
+    SR = dict(layers=3, hidden=256, heads=4, kv_heads=2, ffn=176, vocab=512, seq=128, precision="fp32",
+              recompute="selective", optimizer="sgd")
+    add("fp32 GQA (SDPA math), selective, 2 sequences: the re-run's own mask add", dict(SR, micro_batch=2))
+    add("eager MHA fp32, selective + dropout, 2 sequences: the value matmul's copy of V", dict(
+        SR, attention="eager", heads=8, kv_heads=8, seq=64, vocab=256, micro_batch=2, dropout=0.1))
+    add("lit-gpt fused QKV fp32 MHA, full recompute: K's rotary in the forward", dict(
+        layers=4, hidden=128, heads=4, kv_heads=4, ffn=176, vocab=256, seq=128, precision="fp32", recompute="full",
+        micro_batch=2, optimizer="sgd", qkv_impl="fused"))
     return c
 
 

@@ -87,6 +87,8 @@ ROWS = {
     229: "activation-heavy, TP2+SP pure bf16 GELU, op-level SAC: the re-run's kept reduce-scatter outputs",
     237: "activation-heavy, TP4 pure bf16 GQA, V 256: the LM head's backward on narrow vocabulary shards",
     238: "activation-heavy, fp32 GQA through SDPA's math fallback, 1024 tokens",
+    245: "TP2 + SP, AMP, full recompute with dropout: the re-run through the down projection's reduce-scatter",
+    247: "SDPA's math path, selective recompute, 2 sequences: the re-run's own mask add",
 }
 # Real gloo worlds of FSDP2 ZeRO-3 are not fully deterministic (docs/validation.md: gloo's worker thread may free
 # the previous all-gather output after the next one is allocated); their rows run in the full matrix, and ZeRO-3
