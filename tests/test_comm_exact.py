@@ -219,6 +219,17 @@ def test_tp_sp_full_recompute():
     assert t[("reduce-scatter", "tp")] == (22, 22 * 16_384) == (22, 360_448)
 
 
+def test_full_recompute_with_dropout_replays_the_down_projections_collective():
+    """With dropout a fully recomputed layer's re-run goes on through the down projection to the output dropout's
+    mask, so it replays that projection's collective as well as the o projection's (docs/validation.md row 245,
+    measured by the harness on a real gloo world: one reduce-scatter per layer short before). TP2 without SP, AMP:
+    34 + 4 = 38 all-reduces (the 4 more bf16, 8,192 B); TP2 + SP, fp32: 22 + 4 = 26 reduce-scatters."""
+    base = dict(LLAMA, precision="bf16", gpus=2, tp=2, recompute="full", dropout=0.1)
+    assert totals(run_of(**base), skip=LP)[("all-reduce", "tp")] == (38, 425_984 + 8 * 8_192)
+    t = totals(run_of(**LLAMA, precision="fp32", gpus=2, tp=2, sp=True, recompute="full", dropout=0.1))
+    assert t[("reduce-scatter", "tp")] == (26, 26 * 16_384)
+
+
 # ------------------------------------------------------------------------------------------ PP (pp)
 
 

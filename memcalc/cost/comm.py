@@ -603,10 +603,16 @@ def _tensor_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
         s_s = (run.seq // run.cp) * run.micro_batch * m.hidden * sb  # one activation in the stream dtype
         rec = run.training.recompute in ("full", "op")
         rs_rc = 0 * rc if run.training.recompute == "op" else rc
+        # with dropout a fully recomputed layer's re-run goes on through the down projection to the output dropout's
+        # mask (activations `_recomputed_plain_end`), so it replays that projection's collective too (measured:
+        # docs/validation.md row 245, one reduce-scatter per layer short without it)
+        drop = run.training.recompute == "full" and run.dropout > 0
+        drop_rc = rc if drop else 0 * rc
         if not run.sp:
-            add("all-reduce", s_h, layers * 2 + rc,
-                "layers: 2 fwd all-reduces per layer (o, down outputs)" + (", +1 per recomputed layer" if rec
-                                                                          else ""))
+            add("all-reduce", s_h, layers * 2 + rc + drop_rc,
+                "layers: 2 fwd all-reduces per layer (o, down outputs)" + (
+                    ", +2 per recomputed layer (dropout: the re-run reaches the down projection)" if drop
+                    else ", +1 per recomputed layer" if rec else ""))
             add("all-reduce", s_s, layers * n_col,
                 f"column-parallel input grads: {n_col} bwd all-reduces per layer", sdt)
             add("all-reduce", s_s, first + last, "embedding output (fwd) and LM-head input grad (bwd)", sdt)
@@ -615,9 +621,10 @@ def _tensor_parallel(run: Run, stage: Num, st: dict[str, Num]) -> list[_Term]:
                 "layers (SP): 2 fwd all-gathers per layer (norm outputs)" + (", +2 per recomputed layer" if rec
                                                                              else ""), sdt)
             add("all-gather", s_h, layers * 2, "layers (SP): 2 bwd all-gathers per layer (o, down output grads)")
-            add("reduce-scatter", s_h, layers * 2 + rs_rc,
-                "layers (SP): 2 fwd reduce-scatters per layer (o, down outputs)" + (", +1 per recomputed layer"
-                                                                                    if rec and rs_rc is rc else ""))
+            add("reduce-scatter", s_h, layers * 2 + rs_rc + drop_rc,
+                "layers (SP): 2 fwd reduce-scatters per layer (o, down outputs)" + (
+                    ", +2 per recomputed layer (dropout: the re-run reaches the down projection)" if drop
+                    else ", +1 per recomputed layer" if rec and rs_rc is rc else ""))
             add("reduce-scatter", s_s, layers * 2, "layers (SP): 2 bwd reduce-scatters per layer (norm output grads)",
                 sdt)
             add("reduce-scatter", s_s, first + last, "emb, head (SP): embedding output (fwd), LM-head input grad (bwd)", sdt)
