@@ -10,6 +10,9 @@ from tests.conftest import cli, cli_json
 # GPT-2 on a 24 GB card with 12 x 1024 tokens per micro-batch: the logits (50,257 wide) are a large share
 GPT2_LOOP = ("--model", "gpt2", "--seq", "1024", "--micro-batch", "12", "--gpu", "rtx-4090")
 
+# Gemma 2 on Hugging Face's eager attention (which its softcapped scores need without flash-attn >= 2.6)
+GEMMA_EAGER = ("--model", "gemma-2-9b", "--attention", "eager", "--gpus", "8", "--zero", "3")
+
 CASES = [
     # LoRA on a bf16 70B base cannot fit one H100: a 4-bit base (QLoRA) or a second GPU with the states sharded can
     ("--model", "llama-2-70b", "--lora-rank", "16", "--gpu", "h100", "--seq", "2048", "--recompute", "full"),
@@ -39,8 +42,7 @@ CASES = [
     # --recompute-layers (they used to leave it, and the command recomputed 4 layers: 11x the peak it claimed)
     ("--model", "falcon-40b", "--gpus", "4", "--profile", "deepspeed", "--seq", "8192", "--micro-batch", "2",
      "--zero", "2", "--recompute", "selective", "--recompute-layers", "4"),
-    # Gemma 2 on Hugging Face's eager attention (which its softcapped scores need without flash-attn >= 2.6)
-    ("--model", "gemma-2-9b", "--attention", "eager", "--gpus", "8", "--zero", "3"),
+    GEMMA_EAGER,
     # Mixtral with ep 8 on 8 GPUs: halving dp for tp 2 or pp 2 leaves ep 8 over dp*cp = 4, a layout resolve()
     # refuses; the candidate's time model divided by an empty expert group and `estimate` raised
     # ZeroDivisionError (found by a random search over estimate's inputs). On 16 GPUs tp 2 keeps dp 8: suggested
@@ -181,7 +183,7 @@ def test_eager_attention_is_told_about_a_fused_kernel():
     """Gemma-2-9B under eager attention, FSDP2 ZeRO-3 over 8 H100s, seq 4096: each layer keeps s x s scores (the fp32
     softmax, its bf16 copy and the softcap's tanh output: (4 + 2 + 2) x 16 heads x 4096^2 = 2 GiB a layer, 84 GiB in
     all); flash keeps none of them, so `--attention flash` fits, and its label names the kernel that softcaps."""
-    mem = cli_json("estimate", *CASES[-1])["memory"]
+    mem = cli_json("estimate", *GEMMA_EAGER)["memory"]
     assert not mem["fits"]
     flash = next(a for a in mem["advice"] if a["flags"] == "--attention flash")
     assert flash["fits_after"] and "flash-attn >= 2.6" in flash["change"]
