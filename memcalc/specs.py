@@ -503,6 +503,11 @@ def _divisors_text(n: int, limit: int = 12) -> str:
     return ", ".join(map(str, ds[:limit])) + (", ..." if len(ds) > limit else "")
 
 
+# resolve()'s refusal of ring attention under DeepSpeed (cp > 1), which plan's search says before it searches
+DEEPSPEED_NO_RING = ("--cp-comm p2p: DeepSpeed's sequence parallelism is DeepSpeed-Ulysses (all-to-all, "
+                     "`sequence_parallel_size`), it has no ring attention; with --profile deepspeed valid: a2a")
+
+
 def check_op_recompute(lora_rank: int | None, qkv_impl: str) -> None:
     """--recompute op is torchtitan's policy over torchtitan's layers: it keeps every other `aten.mm` output of a
     layer, counted in the order of separate q, k, v, o and MLP projections (`activations._op_sac_terms`). A fused
@@ -564,8 +569,7 @@ def resolve(
                          "modelled; valid: --cp 1")
     cp_comm = p.cp_comm or CP_COMM_DEFAULT[profile]
     if cp_comm == "p2p" and profile == "deepspeed" and cp > 1:
-        raise InputError("--cp-comm p2p: DeepSpeed's sequence parallelism is DeepSpeed-Ulysses (all-to-all, "
-                         "`sequence_parallel_size`), it has no ring attention; with --profile deepspeed valid: a2a")
+        raise InputError(DEEPSPEED_NO_RING)
     if cp_comm == "a2a":
         shared = a2a_cp_limit(m, tp)
         if shared % cp:

@@ -42,7 +42,7 @@ from memcalc.cost.timeline import stage_memory
 from memcalc.errors import InputError
 from memcalc.options import RunOptions, build_run
 from memcalc.plan.space import RULES, Bounds, Combo, Space, divisors, enumerate_space
-from memcalc.specs import Run, check_op_recompute
+from memcalc.specs import DEEPSPEED_NO_RING, Run, check_op_recompute
 
 PLAN_SCHEMA_VERSION = "1.4"
 OBJECTIVES: tuple[str, ...] = ("throughput", "memory", "gpus")
@@ -287,8 +287,7 @@ def search(req: Request, progress: Progress | None = None, keep_closest: int = 3
         check_op_recompute(base.training.lora_rank, base.training.qkv_impl)
     if base.profile == "deepspeed" and base.cp_comm == "p2p" and (req.bounds.cp is None or max(req.bounds.cp) > 1):
         # resolve() refuses it at cp > 1, so the search would return layouts `estimate` rejects
-        raise InputError("--cp-comm p2p: DeepSpeed's sequence parallelism is DeepSpeed-Ulysses (all-to-all), it has "
-                         "no ring attention; with --profile deepspeed valid: --cp-comm a2a, or --cp 1")
+        raise InputError(DEEPSPEED_NO_RING + " (or --cp 1)")
     if o.ep > 1 and (m.moe is None or m.moe.experts % o.ep):
         build_run(dataclasses.replace(base_options(o), ep=o.ep, dp=o.ep))  # raises resolve()'s one-line error
     gpus = divisors(o.gpus) if req.objective == "gpus" else [o.gpus]
