@@ -2706,7 +2706,10 @@ def qkv_dgrad_extra(run: Run, plain: dict[str, Num]) -> Num:
     c, tok_all, _, _ = _shape(run)
     dx = c * tok_all * m.hidden
     applies = (run.tp == 1) | (run.profile == "torch")
-    return where(applies, plain.get("attn_norm", 0) + plain.get("qkv_input", 0) + plain.get("q", 0) + 2 * dx, 0)
+    # (an eager fp32 RMSNorm, `--norm-impl fp32`, also holds its normalized tensor, saved for the weight's gradient:
+    # the backward -0.5% to -1.5% without it, weight-heavy toys under FSDP2 and TP, tests/test_validate_mlp_backward.py)
+    held = plain.get("attn_norm", 0) + plain.get("attn_norm_normalized", 0)
+    return where(applies, held + plain.get("qkv_input", 0) + plain.get("q", 0) + 2 * dx, 0)
 
 
 def input_norm_backward(run: Run, plain: dict[str, Num]) -> Num:
