@@ -2051,9 +2051,9 @@ def attention_backward(run: Run, terms: dict[str, Num] | None = None, recomputed
             # scaled K^T it saves, and with more than one sequence its scaled Q beside the matmul's copy of it
             # (`_qk_copied`). Measured by the harness: fp32 GQA at 128 tokens, -0.6% (mb 2: -2.1%) of the
             # backward without it
-            s_loc = run.seq if run.cp_comm == "a2a" else run.seq // run.cp
+            s_loc = _bias_len(run)
             head_bytes = c * tok * (m.heads // run.tp) * m.head_dim
-            k_local = (head_bytes * (1 if m.kv_heads < m.heads else 0) + head_bytes * _qk_copied(run)
+            k_local = (head_bytes * (1 if _core_repeats_kv(run) else 0) + head_bytes * _qk_copied(run)
                        if _math_path(run) else 0)
             rerun = (d_o - after - sum(terms.get(k, 0) for k in _CORE) + 2 * c * scores + c * s_loc * s_loc
                      + k_local - v_copy)
@@ -2077,6 +2077,12 @@ def _core_repeats_kv(run: Run) -> bool:
     GQA with K and V not expanded before it (lit-gpt's fused QKV and --gqa-impl expand expand them first)."""
     t = run.training
     return run.model.kv_heads < run.model.heads and t.qkv_impl != "fused" and t.gqa_impl != "expand"
+
+
+def _bias_len(run: Run) -> Num:
+    """The side of an eager core's (s, s) causal bias: the whole sequence under Ulysses (a2a), whose core sees it
+    all; a ring's block (s/cp) otherwise."""
+    return run.seq if run.cp_comm == "a2a" else run.seq // run.cp
 
 
 def _cp_core(run: Run, moment: Num) -> Num:
@@ -2314,8 +2320,7 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
     c, tok, _, _ = _shape(run)
     heads, kv = m.heads // run.tp, m.kv_heads // run.tp
     scores = heads * tok * run.seq
-    # the causal bias: over the whole sequence under Ulysses (a2a), a block's under a ring
-    s_loc = run.seq if run.cp_comm == "a2a" else run.seq // run.cp
+    s_loc = _bias_len(run)
     fused = run.training.qkv_impl == "fused"
     # under GQA the projections' K and V stay referenced by the attention's forward beside their repetitions
     originals = c * tok * m.head_dim * 2 * kv if (m.kv_heads < m.heads and not fused) else 0
@@ -2333,9 +2338,9 @@ def eager_attention_forward(run: Run, terms: dict[str, Num], mode: str) -> Num:
             # Under Ulysses (a2a) the core reads the exchanged Q and V, new tensors beside the kept outputs
             # (measured by the harness: V's kept output, -0.26% of the forward without it)
             a2a = where(run.cp > 1, 1, 0) if run.cp_comm == "a2a" else 0
+            new_q = 1 if m.positions == "rotary" else a2a
             before = (terms.get("checkpoint_input", 0) + sum(plain.get(k, 0) for k in ("q", "k", "v"))
-                      + (terms.get("sac_q_output", 0) if m.positions == "rotary" else a2a * terms.get("sac_q_output", 0))
-                      + a2a * terms.get("sac_v_output", 0))
+                      + new_q * terms.get("sac_q_output", 0) + a2a * terms.get("sac_v_output", 0))
         before = before + _stream_bytes(run, c) * tok * m.hidden
         # q/k norms under AMP (`_fp32_core_inputs`): rotary's Q and K, and under GQA K's repetition, are fp32
         # locals, 4 - c bytes more per element than counted (the matmul's casts of them are freed with it, without
@@ -3421,9 +3426,9 @@ def stage_activations(run: Run, stage: Num = 0) -> StageActivations:
         rec = attention_backward(run, plain, recomputed=True)
         if not (isinstance(rec, int) and rec == _NEVER):
             # the re-run core's own saved set (plain's core terms) beside the checkpoint's saved Q, K, V: its matmuls'
-            # saved copies of Q and K^T (MHA, `_qk_copied`) or of Q and K's and V's repetitions (GQA: V's is freed by
-            # the value matmul's backward, before the softmax's, `attention_backward`), and its output, which the
-            # recomputation leaves referenced
+            # saved copies of Q, K^T and V (MHA, `_qk_copied`) or of Q and K's and V's repetitions (GQA: V's is freed
+            # by the value matmul's backward, before the softmax's, `attention_backward`); no output (the re-run stops
+            # once the value matmul has packed its inputs)
             gqa = m.kv_heads < m.heads
             # (SDPA's math fallback saves its scaled Q, always a new tensor: `_math_scaled_q`; K and V expanded
             # before the core, lit-gpt's fused QKV or --gqa-impl expand, are repeated by nothing in the re-run)
